@@ -1,0 +1,169 @@
+"""One typed configuration for the engine.
+
+Users pass flat options (`LLM(model=..., max_num_seqs=8)`, `--max-num-seqs 8`); each flat name belongs to
+exactly one section below. `EngineConfig.from_options` rejects names it does not know, and `resolve()`
+derives the settings that depend on the machine and the checkpoint once, into a new frozen object.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """An option is unknown, has the wrong type, or contradicts another option."""
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: Optional[str] = _opt(None, "Hugging Face checkpoint folder (default: the shipped default model)")
+    tokenizer: Optional[str] = _opt(None, "tokenizer folder (default: the model folder)")
+    dtype: str = _opt("auto", "weights and activations dtype", ("auto", "float32", "bfloat16", "float16"))
+    device: str = _opt("auto", "device to run on", ("auto", "cpu", "cuda"))
+    load_format: str = _opt("safetensors", "where weights come from", ("safetensors", "dummy"))
+    max_model_len: Optional[int] = _opt(None, "longest prompt + output in tokens (default: from config.json)")
+    seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV block")
+    num_kv_blocks: Optional[int] = _opt(None, "KV blocks in the pool (default: from kv_cache_gb)")
+    kv_cache_gb: Optional[float] = _opt(None, "KV pool size in GiB (default: 1 on CPU, 85%% of free memory on CUDA)")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(256, "most requests running at once")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
+
+
+def option_table() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat option name -> (section name, dataclass field)."""
+    table: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            assert f.name not in table, f"option {f.name} defined twice"
+            table[f.name] = (section, f)
+    return table
+
+
+def _check_type(name: str, value: Any, f: dataclasses.Field) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "Optional" in kind:
+            return None
+        raise ConfigError(f"option {name} may not be None")
+    base = kind.replace("Optional[", "").rstrip("]")
+    if base == "bool":
+        ok = isinstance(value, bool)
+    elif base == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif base == "str":
+        ok = isinstance(value, str)
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"option {name} expects {base}, got {type(value).__name__} {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"option {name}={value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        table = option_table()
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        for name, value in options.items():
+            if name not in table:
+                close = difflib.get_close_matches(name, table, n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ConfigError(f"unknown option {name!r}{hint}")
+            section, f = table[name]
+            per_section[section][name] = _check_type(name, value, f)
+        config = cls(**{s: SECTIONS[s](**kw) for s, kw in per_section.items()})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        positive = {
+            "block_size": self.cache.block_size,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "tensor_parallel_size": self.parallel.tensor_parallel_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"option {name} must be >= 1, got {value}")
+        if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
+            raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
+        if self.model.max_model_len is not None and self.model.max_model_len < 2:
+            raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
+
+    def resolve(self, default_model: str) -> "EngineConfig":
+        """Fill in what depends on the machine: model path, device, dtype."""
+        import torch
+
+        m = self.model
+        model = m.model or default_model
+        if not os.path.isdir(model):
+            raise FileNotFoundError(f"model folder {model!r} does not exist")
+        device = m.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' asked for but torch sees no CUDA device")
+        dtype = m.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device == "cuda" else "float32"
+        from .models import ArchConfig, read_config
+
+        longest = ArchConfig.from_dict(read_config(model)).max_position_embeddings
+        max_len = m.max_model_len or longest
+        if max_len > longest:
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {longest}")
+        if not self.scheduler.enable_chunked_prefill and self.scheduler.max_num_batched_tokens < max_len:
+            raise ConfigError(f"without chunked prefill max_num_batched_tokens "
+                              f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len ({max_len})")
+        model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
+                            max_model_len=max_len)
+        return replace(self, model=model_cfg)
+
+    def flat(self) -> dict[str, Any]:
+        """All options by flat name (for /server_info and logs)."""
+        out = {}
+        for section in SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, section)))
+        return out

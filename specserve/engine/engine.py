@@ -1,0 +1,151 @@
+"""The engine loop: admit requests, schedule a step, run it, apply the results, report outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from ..config import EngineConfig
+from ..models import ArchConfig, read_config
+from ..sampling_params import SamplingParams
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, ScheduledSeq
+from .scheduler import Scheduler
+from .sequence import Sequence, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+Prompt = Union[str, list[int]]
+
+
+class RequestError(ValueError):
+    """A request is invalid (the message names the problem); nothing else is affected."""
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far. `new_*` fields hold what arrived since the previous output."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: Optional[str]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def load_tokenizer(folder: str):
+    """The folder's Hugging Face tokenizer, or None when it has none (token-id prompts only)."""
+    if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from ..assets import default_model_path
+
+        self.config = config = config.resolve(default_model_path())
+        self.arch = ArchConfig.from_dict(read_config(config.model.model))
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.eos_token_ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner = ModelRunner(config, self.arch)
+        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size)
+        if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
+            raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
+                             f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
+                             f"or kv_cache_gb, or lower max_model_len")
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model folder has no tokenizer: pass token ids, not text")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) for t in prompt):
+            raise RequestError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> Sequence:
+        """Validate and queue a request. Raises RequestError (or ValueError for params) before any work."""
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        self._check_prompt(ids)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= max_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {max_len} "
+                               f"(prompt plus at least one generated token)")
+        bad = [t for t in ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.arch.vocab_size})")
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            seq.aborted = True
+            seq.finish("abort")
+            self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        results = self.runner.execute(batch)
+        return self._apply(batch, results)
+
+    def _apply(self, batch: list[ScheduledSeq], results) -> list[RequestOutput]:
+        sampled = iter(results)
+        outputs = []
+        for item in batch:
+            seq = item.seq
+            samples = item.samples
+            seq.num_computed_tokens += item.num_tokens
+            if not samples:
+                continue
+            token, logprob = next(sampled)
+            seq.append_tokens([token], [logprob] if logprob is not None else None)
+            outputs.append(self._output(seq))
+            if seq.finished:
+                self.scheduler.finish(seq)
+                self.requests.pop(seq.request_id, None)
+        return outputs
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        new_ids, new_text = seq.take_new_output()
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                             seq.text, new_ids, new_text, seq.finished, seq.finish_reason, seq.logprobs)

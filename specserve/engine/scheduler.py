@@ -1,0 +1,84 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes."""
+from __future__ import annotations
+
+from collections import deque
+
+from ..config import SchedulerConfig
+from .block_manager import BlockManager
+from .model_runner import ScheduledSeq
+from .sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Waiting and running queues under a per-step token budget.
+
+    Running sequences go first, in arrival order: each decodes one token (plus `lookahead` slots when the
+    step verifies draft tokens) or continues its prefill in chunks. When the KV pool runs out, the most
+    recently admitted running sequence is preempted: its blocks are freed and it is computed again later
+    (recompute). Waiting sequences are admitted while the budget, the pool and max_num_seqs allow.
+    """
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, lookahead: int = 0) -> list[ScheduledSeq]:
+        budget = self.config.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_uncomputed_tokens == 1:
+                n = 1 + lookahead
+            else:
+                n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_append(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append(seq, n)
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_uncomputed_tokens
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.blocks.can_append(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.append(seq, n)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished or aborted sequence, wherever it is."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq)

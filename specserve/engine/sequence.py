@@ -1,0 +1,152 @@
+"""A request as the engine sees it: tokens, KV progress, stop conditions."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a sampled token, and the top alternatives the request asked for."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Sequence:
+    """One request.
+
+    `token_ids` holds the prompt and every accepted output token. `num_computed_tokens` counts the
+    tokens whose KV is in the cache; the rest (usually one, the last sampled token) is computed next
+    step. A step may deliver several tokens at once (speculative verify): `append_tokens` applies the
+    stop conditions to each in order and keeps only those before the stop.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], max_model_len: int, detokenizer: IncrementalDetokenizer | None):
+        self.request_id = request_id
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.logprobs: list[TokenLogprob] = []
+        self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.detokenizer = detokenizer
+        self.text = ""
+        self.num_emitted_tokens = 0
+        self.num_emitted_chars = 0
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.generator: Optional[torch.Generator] = None
+        self.aborted = False
+
+    # ---- sizes -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the step that computes the remaining tokens will not yet reach the output."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    # ---- appending and stopping --------------------------------------------------------------
+    def append_tokens(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
+        """Append tokens in order until one of them stops the request. Returns how many were kept."""
+        if self.first_token_time is None and tokens:
+            self.first_token_time = time.monotonic()
+        kept = 0
+        for i, token in enumerate(tokens):
+            self.token_ids.append(token)
+            if logprobs is not None:
+                self.logprobs.append(logprobs[i])
+            kept += 1
+            reason = self._stop_reason(token)
+            if reason is not None:
+                self.finish(reason)
+                break
+        return kept
+
+    def _stop_reason(self, token: int) -> Optional[str]:
+        if token in self.eos_token_ids or token in self.params.stop_token_ids:
+            return "stop"
+        if self.detokenizer is not None:
+            new = self.detokenizer.add(token)
+            if new:
+                self.text += new
+                if self.params.stop and self._truncate_at_stop_string(len(new)):
+                    return "stop"
+        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _truncate_at_stop_string(self, num_new_chars: int) -> bool:
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, len(self.text) - num_new_chars - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        return True
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    # ---- streaming ---------------------------------------------------------------------------
+    def take_new_output(self) -> tuple[list[int], str]:
+        """New token ids and text since the last call. Text that may be the start of a stop string is
+        held back until the request finishes or the text moves past it."""
+        new_ids = self.output_token_ids[self.num_emitted_tokens:]
+        self.num_emitted_tokens = self.num_output_tokens
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            end = max(self.num_emitted_chars, end - max(len(s) for s in self.params.stop) + 1)
+        new_text = self.text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return new_ids, new_text
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: the KV is gone, every token (prompt and output so far) is computed again."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"status={self.status.value})")

@@ -1,0 +1,83 @@
+"""Attention over the paged KV cache.
+
+The model runner builds one `AttentionMetadata` per step; every layer's `Attention` writes the step's
+keys and values into its cache slots and attends over each sequence's cached context. A step may hold
+prefill chunks, single decode tokens and several verify tokens per sequence at once; `tree_masks`
+replaces plain causal order among a sequence's new tokens with ancestor-only visibility.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    block_tables: torch.Tensor  # [batch, max_blocks]
+    query_index: torch.Tensor  # [batch, max_q] flat token index of each padded query (pad -> 0)
+    query_valid: torch.Tensor  # [batch, max_q] bool
+    kv_slots: torch.Tensor  # [batch, max_kv] cache slot of each context position (pad -> slot of position 0)
+    mask: torch.Tensor  # [batch, 1, max_q, max_kv] bool, True = may attend
+
+
+def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None
+                   ) -> AttentionMetadata:
+    """q_lens[i] new tokens of sequence i occupy its last q_lens[i] positions of seq_lens[i]."""
+    batch = len(q_lens)
+    max_q, max_kv = max(q_lens), max(seq_lens)
+    max_blocks = -(-max_kv // block_size)
+    tables = torch.zeros(batch, max_blocks, dtype=torch.long)
+    slots, qidx = [], torch.zeros(batch, max_q, dtype=torch.long)
+    qvalid = torch.zeros(batch, max_q, dtype=torch.bool)
+    qpos = torch.zeros(batch, max_q, dtype=torch.long)
+    kvlen = torch.tensor(seq_lens, dtype=torch.long)
+    start = 0
+    for i, (q, n, table) in enumerate(zip(q_lens, seq_lens, block_tables)):
+        tables[i, :len(table)] = torch.tensor(table[:max_blocks], dtype=torch.long)
+        pos = torch.arange(n - q, n)
+        slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
+        qidx[i, :q] = torch.arange(start, start + q)
+        qvalid[i, :q] = True
+        qpos[i, :q] = pos
+        start += q
+    key = torch.arange(max_kv)
+    kv_slots = tables[:, key // block_size] * block_size + key % block_size
+    mask = (key[None, None, :] <= qpos[:, :, None]) & (key[None, None, :] < kvlen[:, None, None])
+    if tree_masks is not None:
+        for i, tree in enumerate(tree_masks):
+            if tree is not None:
+                q, n = q_lens[i], seq_lens[i]
+                mask[i, :q, n - q:n] = tree
+    mask |= ~qvalid[:, :, None] & (key[None, None, :] == 0)  # padded rows attend somewhere: no NaN
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+        query_index=qidx.to(device), query_valid=qvalid.to(device), kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device))
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of new tokens against the paged cache (grouped-query aware)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.kv_cache: Optional[torch.Tensor] = None  # [2, num_slots, kv_heads, head_dim], set by the runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]
+        cache = self.kv_cache
+        cache[0, meta.slot_mapping] = k
+        cache[1, meta.slot_mapping] = v
+        keys = cache[0, meta.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
+        values = cache[1, meta.kv_slots].transpose(1, 2)
+        queries = q[meta.query_index].transpose(1, 2)  # [batch, heads, max_q, head_dim]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.transpose(1, 2)[meta.query_valid]  # [num_tokens, heads, head_dim]

@@ -1,0 +1,47 @@
+"""The offline entry point: `LLM(model=...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from .config import EngineConfig
+from .engine.engine import LLMEngine, Prompt, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """A model with its engine. Options are the flat names of `EngineConfig` (unknown names are refused)."""
+
+    def __init__(self, model: Optional[str] = None, **options):
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one finished output per prompt, in order.
+
+        Every prompt is validated before any work starts, so one bad prompt fails the call cleanly.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        engine = self.engine
+        for p, sp in zip(prompts, sampling_params):
+            engine._check_prompt(engine.tokenize(p))
+            sp.validate()
+        ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, sampling_params)]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+        return [final[rid] for rid in ids]

@@ -1,0 +1,116 @@
+"""Building a model and filling its weights from a Hugging Face folder, tensor by tensor."""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from .config import ArchConfig, read_config
+from .llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightError(ValueError):
+    pass
+
+
+def safetensors_files(folder: str) -> list[str]:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise WeightError(f"{index} names {missing[0]}, which does not exist")
+        return files
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise WeightError(f"{folder!r} has no *.safetensors weights")
+    return files
+
+
+def iterate_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], packed: dict) -> None:
+    """Copy each checkpoint tensor into its parameter through the parameter's weight_loader.
+
+    Raises WeightError naming the tensor when one is mis-shaped, and naming the parameters that no
+    checkpoint tensor filled.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {(name, shard) for name in params for shard in _shards_of(name, packed)}
+    loaded: set = set()
+    for name, tensor in tensors:
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        target, shard = name, None
+        for part, (ours, shard_id) in packed.items():
+            if f".{part}." in name:
+                target, shard = name.replace(f".{part}.", f".{ours}."), shard_id
+                break
+        param = params.get(target)
+        if param is None:
+            log.warning("checkpoint tensor %s has no place in the model; ignored", name)
+            continue
+        try:
+            with torch.no_grad():
+                param.weight_loader(param, tensor.to(param.dtype), shard) if shard is not None else \
+                    param.weight_loader(param, tensor.to(param.dtype))
+        except ValueError as e:
+            raise WeightError(f"tensor {name}: {e}") from None
+        loaded.add((target, shard))
+        if target == "model.embed_tokens.weight" and params.get("lm_head.weight") is param:
+            loaded.add(("lm_head.weight", None))
+    missing = sorted(f"{n}" + (f" ({s})" if s is not None else "") for n, s in expected - loaded)
+    if missing:
+        raise WeightError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                          + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _shards_of(name: str, packed: dict) -> list:
+    shards = [shard for part, (ours, shard) in packed.items() if f".{ours}." in name]
+    return shards or [None]
+
+
+def dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights for benchmarking shapes without a checkpoint."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def load_model(folder: str, dtype: torch.dtype, device: torch.device, load_format: str = "safetensors",
+               seed: int = 0) -> LlamaForCausalLM:
+    arch = ArchConfig.from_dict(read_config(folder))
+    with torch.device(device):
+        torch_default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = LlamaForCausalLM(arch)
+        finally:
+            torch.set_default_dtype(torch_default)
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+    else:
+        load_weights(model, iterate_tensors(folder), LlamaForCausalLM.packed_modules)
+    # rotary tables stay fp32
+    return model.eval()

@@ -1,0 +1,83 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints made with transformers (the parity oracle)."""
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import pytest
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def make_hf_checkpoint(path: str, arch: str, seed: int = 0, vocab: int = 256, layers: int = 3,
+                       tie: bool = False, rope_scaling: dict | None = None) -> str:
+    """Save a tiny random transformers model of the given family to `path`; return path."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tie, eos_token_id=1, bos_token_id=0,
+                  initializer_range=0.25)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(**common, rope_scaling=rope_scaling) if rope_scaling else tf.LlamaConfig(**common)
+        cls = tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(**common, head_dim=24), tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():  # make biases and norms non-trivial so the test can see them
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations from transformers, one prompt at a time (no padding to blur the oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=0)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def mixed_prompts(n: int, vocab: int, seed: int = 0, lo: int = 3, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """{arch: checkpoint folder} for every supported family."""
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: make_hf_checkpoint(str(root / arch), arch, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+def assert_pool_full(llm) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
+    assert all(c == 0 for c in engine.blocks.ref_counts)
+
+
+@pytest.fixture(autouse=True)
+def _collect():
+    yield
+    gc.collect()
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
