@@ -26,12 +26,13 @@ def reference_distribution(logits: torch.Tensor, temperature: float, top_k: int 
     """The distribution sampling should follow, computed independently of specserve's sampler."""
     p = torch.softmax(logits.double() / temperature, -1)
     order = torch.argsort(p, descending=True)
+    if top_k > 0:  # keep the k most likely, renormalise
+        p = torch.zeros_like(p).scatter(0, order[:top_k], p[order[:top_k]])
+        p = p / p.sum()
     keep = torch.zeros_like(p, dtype=torch.bool)
     mass = 0.0
-    for rank, tok in enumerate(order.tolist()):
-        if top_k > 0 and rank >= top_k:
-            break
-        if mass >= top_p:
+    for tok in order.tolist():  # then the smallest set whose mass reaches top_p
+        if mass >= top_p or p[tok] == 0:
             break
         keep[tok] = True
         mass += p[tok].item()

@@ -50,6 +50,7 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
         self.sampler = Sampler()
+        torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
         self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
                                 config.model.seed)
         self.num_blocks = self._kv_blocks()

@@ -9,7 +9,7 @@ from ..sampling_params import SamplingParams
 
 
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled logits with tokens outside top-k / top-p / min-p set to -inf.
+    """Temperature-scaled logits with tokens outside top-k, then top-p, then min-p set to -inf.
 
     logits [n, vocab] fp32, one row per params entry (rows with temperature 0 are left unscaled).
     The distribution softmax(filtered_logits) is the one sampling draws from; speculative verification

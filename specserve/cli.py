@@ -1,0 +1,87 @@
+"""The `specserve` command. Engine flags are generated from `EngineConfig`'s option table, so every
+option has exactly one spelling: `--max-num-seqs` is `max_num_seqs`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, EngineConfig, option_table
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for name, (_, f) in option_table().items():
+        flag = "--" + name.replace("_", "-")
+        kind = f.type.replace("Optional[", "").rstrip("]")
+        help_text = f.metadata["help"] + (f" (default: {f.default})" if f.default is not None else "")
+        if kind == "bool":
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            caster = {"int": int, "float": float}.get(kind, str)
+            group.add_argument(flag, dest=name, type=caster, default=None, choices=f.metadata.get("choices"),
+                               help=help_text)
+    parser.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the user actually gave (defaults stay with the config)."""
+    return {name: getattr(args, name) for name in option_table() if getattr(args, name, None) is not None}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine.engine import LLMEngine
+    from .sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed if args.temperature > 0 else None, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+    engine.add_request(prompt, params, "cli")
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+    print()
+    if out is not None:
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

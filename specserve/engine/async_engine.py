@@ -1,0 +1,123 @@
+"""An engine that runs in a background thread and streams to asyncio callers (used by the server).
+
+Callers `submit` a request and iterate its `RequestOutput`s; cancelling the iteration (a client that
+went away) aborts the request and frees its KV at once. A failure inside a step is fatal: every stream
+gets the error, `healthy` turns False, and new requests are refused. It is never silently retried.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Optional
+
+from ..config import EngineConfig
+from ..sampling_params import SamplingParams
+from .engine import LLMEngine, Prompt, RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.error: Optional[BaseException] = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self.engine = LLMEngine(config)
+        self._thread = threading.Thread(target=self._loop, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- caller side (event loop thread) ------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Validate, submit and stream one request. Validation errors raise before anything runs."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        ids = self.engine.tokenize(prompt)
+        self.engine._check_prompt(ids)
+        params.validate()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._command(("add", ids, params, request_id))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"the engine failed: {item!r}") from item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._command(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._command(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _command(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, ids, params, request_id = cmd
+                try:
+                    self.engine.add_request(ids, params, request_id)
+                except ValueError as e:  # raced with validation: report to this request only
+                    self._deliver(request_id, e)
+            else:
+                self.engine.abort(cmd[1])
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # fatal: fail every stream, refuse new work
+            log.exception("engine step failed")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, e)

@@ -1,0 +1,154 @@
+"""Stop conditions, aborts, bad input, and the async engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from specserve import LLM, ConfigError, RequestError, SamplingParams
+from specserve.engine.async_engine import AsyncEngine
+from specserve.config import EngineConfig
+from specserve.models import UnsupportedModel, WeightError
+
+from .conftest import assert_pool_full, hf_greedy, mixed_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(hf_models):
+    return LLM(hf_models["qwen3"], max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    prompts = mixed_prompts(4, 256, seed=9)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    return prompts, [o.token_ids for o in outs]
+
+
+def test_stop_token_ids_and_max_tokens(llm, reference):
+    prompts, full = reference
+    stop_at = [ids[10] for ids in full]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[t], ignore_eos=True)
+                                  for t in stop_at])
+    for out, ids, t in zip(outs, full, stop_at):
+        cut = ids.index(t) + 1
+        assert out.token_ids == ids[:cut] and out.finish_reason == "stop"
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [ids[:7] for ids in full]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert_pool_full(llm)
+
+
+def test_eos_stops_unless_ignored(hf_models):
+    llm = LLM(hf_models["llama"])
+    prompts = mixed_prompts(16, 256, seed=11)
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=200))
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, "with 16 x 200 sampled tokens over 256 ids, some request should meet eos (id 1)"
+    assert all(o.token_ids[-1] == 1 and 1 not in o.token_ids[:-1] for o in stopped)
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=200, ignore_eos=True))
+    assert all(len(o.token_ids) == 200 for o in outs)
+
+
+def test_stop_strings(tmp_path):
+    from specserve.assets import default_model_path
+
+    llm = LLM(default_model_path())
+    base = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    text = base.text
+    assert len(text) > 10
+    stop = text[5:8]
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
+    assert_pool_full(llm)
+
+
+def test_bad_input_is_refused_before_work(llm, hf_models, tmp_path):
+    with pytest.raises(RequestError, match="max_model_len"):
+        llm.generate([[5] * 600])
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        llm.generate([[5, 9999]])
+    with pytest.raises(RequestError, match="empty"):
+        llm.generate([[]])
+    for bad, msg in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
+                     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k")]:
+        with pytest.raises(ValueError, match=msg):
+            SamplingParams(**bad)
+    # one bad prompt among good ones: nothing runs, the pool stays full
+    with pytest.raises(RequestError):
+        llm.generate([[3, 4, 5], [5] * 600])
+    assert_pool_full(llm)
+    with pytest.raises(ConfigError, match="unknown option 'max_num_seq'.*max_num_seqs"):
+        LLM(hf_models["llama"], max_num_seq=4)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def _copy(src, dst, edit_config=None, edit_tensors=None):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_config:
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        edit_config(cfg)
+        json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    if edit_tensors:
+        path = os.path.join(dst, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path)
+    return str(dst)
+
+
+def test_bad_checkpoints(hf_models, tmp_path):
+    src = hf_models["llama"]
+    arch = _copy(src, tmp_path / "arch", edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
+        LLM(arch)
+    missing = _copy(src, tmp_path / "missing", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightError, match="layers.1.mlp.gate_up_proj"):
+        LLM(missing)
+    shaped = _copy(src, tmp_path / "shape", edit_tensors=lambda t: t.update(
+        {"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    with pytest.raises(WeightError, match="model.layers.0.self_attn.o_proj.weight.*expected shape"):
+        LLM(shaped)
+
+
+def test_async_engine_streams_and_aborts(hf_models):
+    engine = AsyncEngine(EngineConfig.from_options(model=hf_models["llama"]))
+    prompts = mixed_prompts(3, 256, seed=12)
+    want = hf_greedy(hf_models["llama"], prompts, 20)
+
+    async def collect(prompt):
+        ids = []
+        async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)):
+            ids.extend(out.new_token_ids)
+        return ids
+
+    async def abandon(prompt):
+        async for out in engine.generate(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+            if len(out.token_ids) >= 3:
+                break  # the client goes away: the request is aborted
+
+    async def main():
+        results = await asyncio.gather(*(collect(p) for p in prompts), abandon(prompts[0]))
+        with pytest.raises(RequestError):
+            await collect([5] * 600)
+        return results[:3]
+
+    try:
+        assert asyncio.run(main()) == want
+        for _ in range(100):
+            if not engine.engine.has_unfinished():
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        blocks = engine.engine.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks
+        assert engine.healthy
+    finally:
+        engine.shutdown()
