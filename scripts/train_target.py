@@ -76,6 +76,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--out", required=True, help="output directory (model + tokenizer + reports)")
+    a("--stdlib", default=None, help="stdlib folder to train on (default: this Python's)")
     a("--vocab-size", type=int, default=4096)
     a("--hidden-size", type=int, default=192)
     a("--num-hidden-layers", type=int, default=12)
@@ -114,9 +115,9 @@ def is_heldout(rel):
     return hashlib.sha1(rel.encode("utf-8")).hexdigest()[-1] in "01"
 
 
-def find_stdlib_files():
+def find_stdlib_files(root=None):
     """Sorted (relative posix path, absolute path) of non-test stdlib .py files."""
-    root = sysconfig.get_paths()["stdlib"]
+    root = root or sysconfig.get_paths()["stdlib"]
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
@@ -127,9 +128,9 @@ def find_stdlib_files():
     return root, sorted(found)
 
 
-def load_corpus():
+def load_corpus(root=None):
     """Return stdlib root, train docs and held-out docs as lists of (relpath, text)."""
-    root, files = find_stdlib_files()
+    root, files = find_stdlib_files(root)
     train, held = [], []
     for rel, full in files:
         with open(full, encoding="utf-8", errors="replace", newline="") as f:
@@ -413,7 +414,7 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     os.makedirs(args.out, exist_ok=True)
 
-    root, train_docs, held_docs = load_corpus()
+    root, train_docs, held_docs = load_corpus(args.stdlib)
     log(f"stdlib {root}: {len(train_docs)} train files, {len(held_docs)} held-out files")
     tok = train_tokenizer((t for _, t in train_docs), args.vocab_size)
     save_tokenizer(tok, args.out, args.max_position_embeddings)

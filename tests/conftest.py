@@ -9,6 +9,31 @@ import pytest
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
+DEVICE = {"name": "cpu"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
+                     help="device the engine runs on in tests (the transformers oracle stays on CPU, fp32)")
+
+
+def pytest_configure(config):
+    DEVICE["name"] = config.getoption("--device")
+
+
+def make_llm(model: str, **options):
+    """An LLM on the device under test, computing in fp32 so it can match the fp32 oracle."""
+    from specserve import LLM
+
+    options.setdefault("device", DEVICE["name"])
+    options.setdefault("dtype", "float32")
+    return LLM(model, **options)
+
+
+def engine_options(**options) -> dict:
+    options.setdefault("device", DEVICE["name"])
+    options.setdefault("dtype", "float32")
+    return options
 
 
 def make_hf_checkpoint(path: str, arch: str, seed: int = 0, vocab: int = 256, layers: int = 3,

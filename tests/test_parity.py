@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 
-from .conftest import ARCHS, assert_pool_full, hf_greedy, make_hf_checkpoint, mixed_prompts
+from .conftest import make_llm, ARCHS, assert_pool_full, hf_greedy, make_hf_checkpoint, mixed_prompts
 
 NEW_TOKENS = 64
 
@@ -28,7 +28,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_transformers(hf_models, expected, arch, case):
     prompts, want = expected
-    llm = LLM(hf_models[arch], **CASES[case])
+    llm = make_llm(hf_models[arch], **CASES[case])
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     for i, out in enumerate(outs):
         assert out.token_ids == want[arch][i], f"{arch}/{case}: prompt {i} differs"
@@ -44,7 +44,7 @@ def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
     path = make_hf_checkpoint(str(tmp_path / "l3"), "llama", seed=5, tie=True, rope_scaling=scaling)
     prompts = mixed_prompts(4, 256, seed=2, lo=20, hi=90)
     want = hf_greedy(path, prompts, 32)
-    llm = LLM(path, max_num_batched_tokens=24)
+    llm = make_llm(path, max_num_batched_tokens=24)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert_pool_full(llm)
@@ -61,5 +61,5 @@ def test_sharded_checkpoint(tmp_path):
     assert os.path.isfile(tmp_path / "sharded" / "model.safetensors.index.json")
     prompts = mixed_prompts(3, 256, seed=3)
     want = hf_greedy(src, prompts, 16)
-    llm = LLM(str(tmp_path / "sharded"))
+    llm = make_llm(str(tmp_path / "sharded"))
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))] == want

@@ -9,17 +9,17 @@ import shutil
 import pytest
 import torch
 
-from specserve import LLM, ConfigError, RequestError, SamplingParams
+from specserve import ConfigError, RequestError, SamplingParams
 from specserve.engine.async_engine import AsyncEngine
 from specserve.config import EngineConfig
 from specserve.models import UnsupportedModel, WeightError
 
-from .conftest import assert_pool_full, hf_greedy, mixed_prompts
+from .conftest import engine_options, make_llm, assert_pool_full, hf_greedy, mixed_prompts
 
 
 @pytest.fixture(scope="module")
 def llm(hf_models):
-    return LLM(hf_models["qwen3"], max_num_batched_tokens=32)
+    return make_llm(hf_models["qwen3"], max_num_batched_tokens=32)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_stop_token_ids_and_max_tokens(llm, reference):
 
 
 def test_eos_stops_unless_ignored(hf_models):
-    llm = LLM(hf_models["llama"])
+    llm = make_llm(hf_models["llama"])
     prompts = mixed_prompts(16, 256, seed=11)
     outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=200))
     stopped = [o for o in outs if o.finish_reason == "stop"]
@@ -57,7 +57,7 @@ def test_eos_stops_unless_ignored(hf_models):
 def test_stop_strings(tmp_path):
     from specserve.assets import default_model_path
 
-    llm = LLM(default_model_path())
+    llm = make_llm(default_model_path())
     base = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     text = base.text
     assert len(text) > 10
@@ -84,9 +84,9 @@ def test_bad_input_is_refused_before_work(llm, hf_models, tmp_path):
         llm.generate([[3, 4, 5], [5] * 600])
     assert_pool_full(llm)
     with pytest.raises(ConfigError, match="unknown option 'max_num_seq'.*max_num_seqs"):
-        LLM(hf_models["llama"], max_num_seq=4)
+        make_llm(hf_models["llama"], max_num_seq=4)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLM(str(tmp_path / "nope"))
+        make_llm(str(tmp_path / "nope"))
 
 
 def _copy(src, dst, edit_config=None, edit_tensors=None):
@@ -109,18 +109,18 @@ def test_bad_checkpoints(hf_models, tmp_path):
     src = hf_models["llama"]
     arch = _copy(src, tmp_path / "arch", edit_config=lambda c: c.update(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
-        LLM(arch)
+        make_llm(arch)
     missing = _copy(src, tmp_path / "missing", edit_tensors=lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(WeightError, match="layers.1.mlp.gate_up_proj"):
-        LLM(missing)
+        make_llm(missing)
     shaped = _copy(src, tmp_path / "shape", edit_tensors=lambda t: t.update(
         {"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 32)}))
     with pytest.raises(WeightError, match="model.layers.0.self_attn.o_proj.weight.*expected shape"):
-        LLM(shaped)
+        make_llm(shaped)
 
 
 def test_async_engine_streams_and_aborts(hf_models):
-    engine = AsyncEngine(EngineConfig.from_options(model=hf_models["llama"]))
+    engine = AsyncEngine(EngineConfig.from_options(**engine_options(model=hf_models["llama"])))
     prompts = mixed_prompts(3, 256, seed=12)
     want = hf_greedy(hf_models["llama"], prompts, 20)
 

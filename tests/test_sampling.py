@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve import LLM, SamplingParams
+from specserve import SamplingParams
 
-from .conftest import assert_pool_full, mixed_prompts
+from .conftest import make_llm, assert_pool_full, mixed_prompts
 from .stats import chi_square_pvalue, reference_distribution
 
 N = 3000
@@ -15,7 +15,7 @@ PROMPT = [5, 17, 99, 3, 42]
 
 @pytest.fixture(scope="module")
 def llm(hf_models):
-    return LLM(hf_models["llama"], max_num_seqs=512, max_num_batched_tokens=4096)
+    return make_llm(hf_models["llama"], max_num_seqs=512, max_num_batched_tokens=4096)
 
 
 @pytest.fixture(scope="module")
