@@ -17,6 +17,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, ScheduledSeq
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
+from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.stats = EngineStats()
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -126,6 +128,8 @@ class LLMEngine:
         if not batch:
             return []
         results = self.runner.execute(batch)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions = self.scheduler.num_preemptions
         return self._apply(batch, results)
 
     def _apply(self, batch: list[ScheduledSeq], results) -> list[RequestOutput]:
@@ -134,11 +138,12 @@ class LLMEngine:
         for item in batch:
             seq = item.seq
             samples = item.samples
+            self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
             seq.num_computed_tokens += item.num_tokens
             if not samples:
                 continue
             token, logprob = next(sampled)
-            seq.append_tokens([token], [logprob] if logprob is not None else None)
+            self.stats.num_generation_tokens += seq.append_tokens([token], [logprob] if logprob is not None else None)
             outputs.append(self._output(seq))
             if seq.finished:
                 self.scheduler.finish(seq)
