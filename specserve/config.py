@@ -51,11 +51,50 @@ class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """SGLang's knobs: draft depth (num_steps), children kept per node (topk; 1 = chain), and tokens
+    verified per request counting the root (num_draft_tokens; a chain verifies num_steps + 1)."""
+
+    speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm", ("EAGLE3",))
+    speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE-3 draft checkpoint folder")
+    speculative_num_steps: int = _opt(3, "draft depth S (at most S+1 tokens accepted per verify)")
+    speculative_eagle_topk: int = _opt(1, "children kept per draft node; 1 = chain, >1 = tree")
+    speculative_num_draft_tokens: Optional[int] = _opt(None, "tokens verified per request incl. the root "
+                                                              "(default: steps+1 for a chain, 8 for a tree)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    def validate(self) -> None:
+        s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if s < 1 or k < 1:
+            raise ConfigError(f"speculative_num_steps ({s}) and speculative_eagle_topk ({k}) must be >= 1")
+        if n is None:
+            return
+        if k == 1 and n != s + 1:
+            raise ConfigError(f"with speculative_eagle_topk 1 (a chain) speculative_num_draft_tokens must be "
+                              f"speculative_num_steps + 1 = {s + 1}, got {n}")
+        most = 1 + k + (s - 1) * k * k
+        if not 2 <= n <= most:
+            raise ConfigError(f"speculative_num_draft_tokens {n} must be in [2, {most}] for "
+                              f"{s} steps with topk {k}")
+
+    def resolved(self) -> "SpeculativeConfig":
+        n = self.speculative_num_draft_tokens
+        if n is None:
+            n = self.speculative_num_steps + 1 if self.speculative_eagle_topk == 1 else \
+                min(8, 1 + self.speculative_eagle_topk + (self.speculative_num_steps - 1) * self.speculative_eagle_topk ** 2)
+        return replace(self, speculative_num_draft_tokens=n)
+
+
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -101,6 +140,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
@@ -129,6 +169,9 @@ class EngineConfig:
                 raise ConfigError(f"option {name} must be >= 1, got {value}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
+        self.speculative.validate()
+        if self.speculative.speculative_draft_model_path and not self.speculative.enabled:
+            raise ConfigError("speculative_draft_model_path given without speculative_algorithm='EAGLE3'")
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
 
@@ -159,7 +202,17 @@ class EngineConfig:
                               f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len ({max_len})")
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len)
-        return replace(self, model=model_cfg)
+        spec = self.speculative
+        if spec.enabled:
+            from .assets import default_draft_path
+
+            draft = spec.speculative_draft_model_path or (default_draft_path() if m.model is None else None)
+            if draft is None:
+                raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
+            if not os.path.isdir(draft):
+                raise FileNotFoundError(f"draft model folder {draft!r} does not exist")
+            spec = replace(spec.resolved(), speculative_draft_model_path=draft)
+        return replace(self, model=model_cfg, speculative=spec)
 
     def flat(self) -> dict[str, Any]:
         """All options by flat name (for /server_info and logs)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -14,7 +15,9 @@ from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner, ScheduledSeq
+from ..spec import make_proposer
+from ..spec.verify import verify
+from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
 from .stats import EngineStats
@@ -69,6 +72,7 @@ class LLMEngine:
                              f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                              f"or kv_cache_gb, or lower max_model_len")
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.proposer = make_proposer(config, self.arch, self.runner) if config.speculative.enabled else None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -123,33 +127,80 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # ---- one step -----------------------------------------------------------------------------
+    def _decode_shape(self, seq: Sequence) -> tuple[int, int]:
+        """(tokens computed, KV slots needed) for a decoding sequence this step."""
+        p = self.proposer
+        if p is None or seq.num_tokens + p.num_slots > self.config.model.max_model_len:
+            return 1, 1
+        return p.num_verify_tokens, p.num_slots
+
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._decode_shape)
         if not batch:
             return []
-        results = self.runner.execute(batch)
+        speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
+        if speculating:
+            t0 = time.perf_counter()
+            for item, tree in zip(speculating, self.proposer.propose([item.seq for item in speculating])):
+                item.draft = tree
+            self.stats.spec.draft_time_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else ())
+        if speculating:
+            self.stats.spec.verify_time_s += time.perf_counter() - t0
         self.stats.num_steps += 1
+        self.stats.spec.last_k = self.proposer.num_verify_tokens - 1 if speculating else 0
+        outputs = self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        return self._apply(batch, results)
+        return outputs
 
-    def _apply(self, batch: list[ScheduledSeq], results) -> list[RequestOutput]:
-        sampled = iter(results)
+    def _apply(self, batch: list[ScheduledSeq], out: ForwardOutput) -> list[RequestOutput]:
+        plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
+        sampled = dict(zip(plain, self.runner.sample(out.logits[[out.rows[i][0] for i in plain]],
+                                                     [batch[i].seq for i in plain]))) if plain else {}
         outputs = []
-        for item in batch:
+        for i, item in enumerate(batch):
             seq = item.seq
-            samples = item.samples
             self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
-            seq.num_computed_tokens += item.num_tokens
-            if not samples:
-                continue
-            token, logprob = next(sampled)
-            self.stats.num_generation_tokens += seq.append_tokens([token], [logprob] if logprob is not None else None)
+            if item.draft is not None:
+                tokens, logprobs = self._accept(item, out, i)
+            else:
+                self._commit(seq, list(range(item.num_tokens)), out, i)
+                if i not in sampled:
+                    continue
+                token, logprob = sampled[i]
+                tokens, logprobs = [token], ([logprob] if logprob is not None else None)
+            self.stats.num_generation_tokens += seq.append_tokens(tokens, logprobs)
             outputs.append(self._output(seq))
             if seq.finished:
                 self.scheduler.finish(seq)
                 self.requests.pop(seq.request_id, None)
+            elif item.draft is not None:
+                self.blocks.truncate(seq, seq.num_tokens)
         return outputs
 
+    def _commit(self, seq: Sequence, nodes: list[int], out: ForwardOutput, i: int) -> None:
+        """The KV of these of the item's tokens is now part of seq; tell the proposer."""
+        seq.num_computed_tokens += len(nodes)
+        if self.proposer is not None:
+            first = out.token_offsets[i]
+            self.proposer.observe(seq, out.aux[[first + n for n in nodes]])
+
+    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int):
+        seq, tree = item.seq, item.draft
+        logits = out.logits[out.rows[i].start:out.rows[i].stop]  # [N, vocab]
+        verdict = verify(tree, logits, seq.params, seq.generator)
+        n = seq.num_computed_tokens
+        if verdict.path != list(range(len(verdict.path))):  # a tree branch: move its KV into place
+            self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])
+        self._commit(seq, verdict.path, out, i)
+        self.stats.spec.record(tree.num_drafts, verdict.num_accepted)
+        tokens = verdict.tokens
+        logprobs = None
+        if seq.params.logprobs is not None:
+            rows = logits[verdict.path]
+            logprobs = self.runner.logprobs(rows, torch.tensor(tokens, device=rows.device), [seq] * len(tokens))
+        return tokens, logprobs
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,

@@ -11,6 +11,7 @@ from ..config import EngineConfig
 from ..layers.attention import AttentionMetadata, build_metadata
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
+from ..spec.tree import DraftTree
 from .sequence import Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -20,24 +21,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: compute `num_tokens` tokens starting at its computed prefix."""
+    """One sequence's share of a step: compute `num_tokens` tokens starting at its computed prefix.
+
+    With a `draft`, the tokens are the draft tree's nodes (root = the sequence's uncomputed token),
+    placed at position prefix + depth and attending along the tree.
+    """
 
     seq: Sequence
     num_tokens: int
+    draft: Optional[DraftTree] = None
 
     @property
     def samples(self) -> bool:
         """Does this step reach the end of the sequence's known tokens, so a new token is sampled?"""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens
 
 
 @dataclass
-class StepInputs:
-    ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_index: torch.Tensor  # [num_sampling] flat index of the last token of each sampling sequence
-    sampling: list[Sequence] = field(default_factory=list)
+class ForwardOutput:
+    logits: torch.Tensor  # [num_rows, vocab] fp32: one row per sampling sequence, one per node of a draft
+    rows: list[range]  # per batch item, its logits rows (empty when it does not sample)
+    aux: Optional[torch.Tensor]  # [num_tokens, aux_dim] auxiliary hidden states, when asked for
+    token_offsets: list[int]  # per batch item, the flat index of its first token
 
 
 class ModelRunner:
@@ -80,39 +85,41 @@ class ModelRunner:
         return max(1, min(int(budget // per_block), useful))
 
     # ---- one step -----------------------------------------------------------------------------
-    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
-        ids, positions, q_lens, seq_lens, tables, logits_index, sampling = [], [], [], [], [], [], []
-        offset = 0
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        ids, positions, q_lens, seq_lens, trees, logit_index, rows, offsets = [], [], [], [], [], [], [], []
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
+            offsets.append(len(ids))
+            if item.draft is not None:
+                ids.extend(item.draft.tokens)
+                positions.extend(start + d for d in item.draft.depths())
+                trees.append(None if item.draft.is_chain else item.draft.ancestor_mask())
+                first = len(logit_index)
+                logit_index.extend(range(len(ids) - n, len(ids)))
+                rows.append(range(first, first + n))
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                trees.append(None)
+                rows.append(range(len(logit_index), len(logit_index) + 1) if item.samples else range(0))
+                if item.samples:
+                    logit_index.append(len(ids) - 1)
             q_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(seq.block_table)
-            offset += n
-            if item.samples:
-                logits_index.append(offset - 1)
-                sampling.append(seq)
-        meta = build_metadata(q_lens, seq_lens, tables, self.block_size, self.device)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return StepInputs(as_tensor(ids), as_tensor(positions), meta, as_tensor(logits_index), sampling)
+        meta = build_metadata(q_lens, seq_lens, [item.seq.block_table for item in batch], self.block_size,
+                              self.device, trees if any(t is not None for t in trees) else None)
+        hidden, aux = self.model(self._ids(ids), self._ids(positions), meta, aux_layers)
+        logits = self.model.compute_logits(hidden[self._ids(logit_index)]).float()
+        return ForwardOutput(logits, rows, torch.cat(aux, dim=-1) if aux else None, offsets)
 
-    @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq]) -> list[tuple[int, Optional[TokenLogprob]]]:
-        """Run the batch; return (token, logprob) for each sequence that samples, in batch order."""
-        inputs = self.prepare(batch)
-        hidden, _ = self.model(inputs.ids, inputs.positions, inputs.meta)
-        if not inputs.sampling:
-            return []
-        logits = self.model.compute_logits(hidden[inputs.logits_index]).float()  # [num_sampling, vocab]
-        params = [s.params for s in inputs.sampling]
-        tokens = self.sampler(logits, params, [s.generator for s in inputs.sampling])
-        logprobs = self._logprobs(logits, tokens, inputs.sampling)
-        return list(zip(tokens.tolist(), logprobs))
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return list(zip(tokens.tolist(), self.logprobs(logits, tokens, seqs)))
 
-    def _logprobs(self, logits, tokens, seqs: list[Sequence]) -> list[Optional[TokenLogprob]]:
+    def logprobs(self, logits, tokens, seqs: list[Sequence]) -> list[Optional[TokenLogprob]]:
         wanted = [s.params.logprobs for s in seqs]
         if all(w is None for w in wanted):
             return [None] * len(seqs)
@@ -121,3 +128,12 @@ class ModelRunner:
         chosen, top_ids, top_lp = chosen.tolist(), top_ids.tolist(), top_lp.tolist()
         return [None if w is None else TokenLogprob(chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w])))
                 for i, w in enumerate(wanted)]
+
+    def move_kv(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of seq's token indices src to indices dst, in every layer (tree compaction)."""
+        slot = lambda i: seq.block_table[i // self.block_size] * self.block_size + i % self.block_size  # noqa: E731
+        s, d = self._ids([slot(i) for i in src]), self._ids([slot(i) for i in dst])
+        self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
@@ -12,8 +13,9 @@ from .sequence import Sequence, SequenceStatus
 class Scheduler:
     """Waiting and running queues under a per-step token budget.
 
-    Running sequences go first, in arrival order: each decodes one token (plus `lookahead` slots when the
-    step verifies draft tokens) or continues its prefill in chunks. When the KV pool runs out, the most
+    Running sequences go first, in arrival order: each decodes (`decode_shape(seq)` gives the tokens
+    it computes and the KV slots it needs: (1, 1) for plain decoding, more to verify draft tokens) or
+    continues its prefill in chunks. When the KV pool runs out, the most
     recently admitted running sequence is preempted: its blocks are freed and it is computed again later
     (recompute). Waiting sequences are admitted while the budget, the pool and max_num_seqs allow.
     """
@@ -31,7 +33,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, lookahead: int = 0) -> list[ScheduledSeq]:
+    def schedule(self, decode_shape: Callable[[Sequence], tuple[int, int]] = lambda seq: (1, 1)
+                 ) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -39,17 +42,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_uncomputed_tokens == 1:
-                n = 1 + lookahead
+                n, slots = decode_shape(seq)
             else:
-                n = min(seq.num_uncomputed_tokens, budget)
-            while not self.blocks.can_append(seq, n):
+                n = slots = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.can_append(seq, slots):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self.blocks.append(seq, n)
+                self.blocks.append(seq, slots)
                 batch.append(ScheduledSeq(seq, n))
                 budget -= n
                 i += 1

@@ -56,6 +56,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.generator: Optional[torch.Generator] = None
+        self.draft_state = None  # the proposer's per-request state (speculative decoding only)
         self.aborted = False
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class Sequence:
         """Preempted: the KV is gone, every token (prompt and output so far) is computed again."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.draft_state = None
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 

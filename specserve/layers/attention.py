@@ -2,8 +2,9 @@
 
 The model runner builds one `AttentionMetadata` per step; every layer's `Attention` writes the step's
 keys and values into its cache slots and attends over each sequence's cached context. A step may hold
-prefill chunks, single decode tokens and several verify tokens per sequence at once; `tree_masks`
-replaces plain causal order among a sequence's new tokens with ancestor-only visibility.
+prefill chunks, single decode tokens and several verify tokens per sequence at once. `tree_masks[i]`
+([q_len, m] bool) replaces causal order over sequence i's last m keys (its speculative tokens) with
+ancestor-only visibility; the keys before them stay visible to every new token.
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[li
     if tree_masks is not None:
         for i, tree in enumerate(tree_masks):
             if tree is not None:
-                q, n = q_lens[i], seq_lens[i]
-                mask[i, :q, n - q:n] = tree
+                q, n, m = q_lens[i], seq_lens[i], tree.shape[1]
+                mask[i, :q, n - m:n] = tree.cpu()
     mask |= ~qvalid[:, :, None] & (key[None, None, :] == 0)  # padded rows attend somewhere: no NaN
     return AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),

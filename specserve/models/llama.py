@@ -74,14 +74,15 @@ class LlamaModel(nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """ids, positions [num_tokens] -> final hidden [num_tokens, hidden] (normed) and the residual
-        stream entering each layer in aux_layers (what EAGLE-3 drafters read)."""
+        stream entering each layer in aux_layers (what EAGLE-3 drafters read; num_layers = the last output)."""
         h = self.embed_tokens(ids)
-        aux = []
+        seen = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
-                aux.append(h)
+                seen[i] = h
             h = layer(h, positions, meta)
-        return self.norm(h), aux
+        seen[len(self.layers)] = h
+        return self.norm(h), [seen[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):

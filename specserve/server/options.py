@@ -1,0 +1,58 @@
+"""The server's own options (the engine's come from `EngineConfig`). Plain Python: the CLI imports this
+module to build `specserve serve`'s flags without importing fastapi."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from ..config import ConfigError
+
+TOOL_CALL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = _opt("127.0.0.1", "address to bind (loopback by default)")
+    port: int = _opt(8000, "TCP port to bind")
+    api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on /v1/* and /server_info")
+    served_model_name: Optional[str] = _opt(None, "model name clients send (default: --model as given)")
+    max_queued_requests: int = _opt(1024, "requests that may wait beyond max_num_seqs; more get 429")
+    shutdown_timeout: float = _opt(30.0, "seconds in-flight requests may run after SIGTERM before abort")
+    tool_call_parser: Optional[str] = _opt(None, "turn tool-call blocks in chat output into tool_calls",
+                                           TOOL_CALL_PARSERS)
+    reasoning_parser: Optional[str] = _opt(None, "split <think>...</think> into reasoning_content",
+                                           REASONING_PARSERS)
+    max_body_bytes: int = _opt(4 * 2**20, "largest request body accepted; larger ones get 413")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"option port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"option max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"option shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"option max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_key == "":
+            raise ConfigError("option api_key may not be empty")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerOptions field: `--max-queued-requests` is `max_queued_requests`."""
+    group = parser.add_argument_group("server")
+    for f in fields(ServerOptions):
+        kind = f.type.replace("Optional[", "").rstrip("]")
+        caster = {"int": int, "float": float}.get(kind, str)
+        default = f" (default: {f.default})" if f.default is not None and f.name != "api_key" else ""
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=caster, default=f.default,
+                           choices=f.metadata["choices"], help=f.metadata["help"] + default)
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})

@@ -1,0 +1,13 @@
+"""Speculative decoding: proposers, draft trees, verification."""
+from __future__ import annotations
+
+
+def make_proposer(config, target_arch, runner):
+    """The proposer the configuration asks for (only EAGLE-3 today)."""
+    from .eagle3_proposer import Eagle3Proposer
+
+    spec = config.speculative
+    if spec.speculative_algorithm != "EAGLE3":
+        raise ValueError(f"unknown speculative algorithm {spec.speculative_algorithm!r}")
+    return Eagle3Proposer(spec, target_arch, runner.model, runner.num_blocks * runner.block_size,
+                          runner.block_size, runner.dtype, runner.device)

@@ -1,0 +1,198 @@
+"""The EAGLE-3 draft head: one Llama decoder layer that reads the target's hidden states.
+
+Checkpoint format (as published EAGLE-3 drafters ship it): config.json with
+`architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, optional `target_hidden_size` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`; tensors `fc.weight [H, 3*Ht]`, `midlayer.*` (q/k/v take
+2H inputs: the token embedding and the hidden state side by side), `norm.weight`, `lm_head.weight
+[draft_vocab, H]`, `d2t` (draft id -> target id offsets) and `t2d` (training only). No embedding: the
+target's is shared.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers.attention import Attention, AttentionMetadata
+from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding
+from ..models.config import ArchConfig, read_config
+from ..models.llama import MLP
+from ..models.loader import WeightError, load_weights
+
+DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: Optional[tuple[int, ...]]  # "output of layer i" as the checkpoint states them
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "Eagle3Config":
+        archs = cfg.get("architectures") or []
+        if not any(a in DRAFT_ARCHITECTURES for a in archs):
+            raise ValueError(f"unknown draft architecture {archs!r}; EAGLE-3 drafts declare "
+                             f"{DRAFT_ARCHITECTURES[0]}")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"an EAGLE-3 draft has one decoder layer, config says {cfg['num_hidden_layers']}")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            aux_layer_ids=tuple(aux) if aux else None,
+        )
+
+    def target_aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """Layers whose *input* residual stream the draft reads (low, mid, high)."""
+        if self.aux_layer_ids is not None:
+            return tuple(i + 1 for i in self.aux_layer_ids)
+        return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, c: Eagle3Config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(2 * c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads)
+        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size)
+        self.heads, self.kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, c.head_dim
+        self.rotary = rotary
+        self.attn = Attention(self.heads, self.kv_heads, c.head_dim)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = self.rotary(positions, q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim))
+        out = self.attn(q, k, v.view(n, self.kv_heads, self.head_dim), meta)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class Eagle3MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, embeds, hidden, positions, meta):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [n, 2H]
+        h = self.self_attn(x, positions, meta) + residual
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.config = c
+        self.fc = ReplicatedLinear(3 * c.target_hidden_size, c.hidden_size)
+        self.midlayer = Eagle3MidLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = ReplicatedLinear(c.hidden_size, c.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.embed_tokens: Optional[nn.Module] = None  # the target's, set by the proposer
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids, positions [n]; hidden [n, 3*Ht] target features (first step) or [n, H] the draft's own
+        previous output. Returns (logits over the draft vocabulary [n, draft_vocab], pre-norm hidden [n, H])."""
+        if hidden.shape[-1] != self.config.hidden_size:
+            hidden = self.fc(hidden)
+        h = self.midlayer(self.embed_tokens(ids), hidden, positions, meta)
+        return self.lm_head(self.norm(h)), h
+
+    def attention_layers(self) -> list[Attention]:
+        return [self.midlayer.self_attn.attn]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def _draft_tensors(folder: str):
+    from .. models.loader import iterate_tensors
+
+    bin_path = os.path.join(folder, "pytorch_model.bin")
+    if any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        tensors = iterate_tensors(folder)
+    elif os.path.isfile(bin_path):
+        tensors = torch.load(bin_path, map_location="cpu", weights_only=True).items()
+    else:
+        raise WeightError(f"{folder!r} has neither *.safetensors nor pytorch_model.bin")
+    for name, t in tensors:
+        name = name[len("model."):] if name.startswith("model.") else name
+        if name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        yield name, t
+
+
+def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: torch.device) -> Eagle3Draft:
+    """Load a draft and check that it fits the target (hidden size, vocabulary, layer ids)."""
+    c = Eagle3Config.from_dict(read_config(folder))
+    if c.target_hidden_size != target.hidden_size:
+        raise ValueError(f"draft expects target hidden size {c.target_hidden_size}, target has {target.hidden_size}")
+    if c.vocab_size != target.vocab_size:
+        raise ValueError(f"draft vocabulary {c.vocab_size} does not match the target's {target.vocab_size}")
+    if c.hidden_size != target.hidden_size:
+        raise ValueError(f"draft hidden size {c.hidden_size} differs from the target's {target.hidden_size}; "
+                         f"the shared embedding needs them equal")
+    bad = [i for i in c.target_aux_layers(target.num_layers) if not 0 <= i <= target.num_layers]
+    if bad:
+        raise ValueError(f"draft reads target layer {bad[0]}, the target has {target.num_layers} layers")
+    with torch.device(device):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = Eagle3Draft(c)
+        finally:
+            torch.set_default_dtype(default)
+    tensors = {}
+    for name, t in _draft_tensors(folder):
+        if name == "t2d":
+            continue
+        if name == "d2t":
+            if tuple(t.shape) != (c.draft_vocab_size,):
+                raise WeightError(f"tensor d2t: expected shape ({c.draft_vocab_size},), got {tuple(t.shape)}")
+            model.d2t.copy_(t.long())
+            ids = torch.arange(c.draft_vocab_size, device=model.d2t.device) + model.d2t
+            if ids.min() < 0 or ids.max() >= c.vocab_size:
+                raise WeightError("tensor d2t maps draft ids outside the target vocabulary")
+            continue
+        tensors[name] = t
+    load_weights(model, iter(tensors.items()), Eagle3Draft.packed_modules)
+    return model.eval()

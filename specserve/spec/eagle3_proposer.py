@@ -1,0 +1,128 @@
+"""EAGLE-3 drafting: catch the draft up on the target's committed positions, then grow a tree.
+
+The draft sees pairs (target features at position j, token j+1) and predicts token j+2. Its KV cache
+uses the target's block tables: committed pairs sit at their positions; the tokens drafted during a
+step go to scratch slots past the computed prefix (which the scheduler reserves) and are overwritten
+by the next step, so rejected drafts never need rolling back in the draft cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SpeculativeConfig
+from ..engine.sequence import Sequence
+from ..layers.attention import build_metadata
+from ..models import ArchConfig
+from .eagle3 import Eagle3Draft, load_eagle3
+from .proposer import Proposer
+from .tree import DraftTree, select_tree
+
+
+@dataclass
+class DraftState:
+    computed: int = 0  # pairs whose draft KV is in the cache
+    pending: list[torch.Tensor] = field(default_factory=list)  # target features of the positions after
+
+
+class Eagle3Proposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_model, num_slots_total: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device):
+        self.steps = config.speculative_num_steps
+        self.topk = config.speculative_eagle_topk
+        self.num_nodes = config.speculative_num_draft_tokens
+        self.block_size = block_size
+        self.device = device
+        self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device)
+        self.draft.embed_tokens = target_model.model.embed_tokens
+        self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
+        attn = self.draft.attention_layers()[0]
+        # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
+        self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
+        attn.kv_cache = self.kv_cache
+
+    @property
+    def num_verify_tokens(self) -> int:
+        return self.num_nodes
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.num_nodes, (self.steps - 1) * self.topk)
+
+    def observe(self, seq: Sequence, features: torch.Tensor) -> None:
+        if seq.draft_state is None:
+            seq.draft_state = DraftState()
+        seq.draft_state.pending.append(features)
+
+    # ---- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
+        logits, hidden = self._catch_up(seqs)  # [B, draft_vocab], [B, H]
+        k, batch = self.topk, len(seqs)
+        base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
+        logp = logits.float().log_softmax(-1)
+        scores, draft_ids = logp.topk(k, dim=-1)  # [B, K]
+        cand_tokens = [self.draft.to_target_ids(draft_ids)]
+        cand_scores = [scores]
+        cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=self.device)]
+        expanded = torch.arange(k, device=self.device).expand(batch, k)  # candidate index of each expanded node
+        h_in = hidden.unsqueeze(1).expand(batch, k, hidden.shape[-1])  # [B, K, H]
+        ancestors = torch.eye(k, dtype=torch.bool).expand(batch, k, k)  # [B, K, K] over expanded nodes so far
+        exp_scores = scores
+        for depth in range(1, self.steps):
+            tokens = torch.cat(cand_tokens, 1).gather(1, expanded)  # [B, K]
+            logits, h_out = self._expand(seqs, base, depth, tokens, h_in, ancestors)
+            logp = logits.float().log_softmax(-1).view(batch, k, -1)
+            child_scores, child_ids = logp.topk(k, dim=-1)  # [B, K, K]
+            child_scores = (exp_scores.unsqueeze(-1) + child_scores).view(batch, k * k)
+            offset = sum(t.shape[1] for t in cand_tokens)
+            cand_tokens.append(self.draft.to_target_ids(child_ids.view(batch, k * k)))
+            cand_scores.append(child_scores)
+            cand_parents.append(expanded.repeat_interleave(k, dim=1))
+            if depth == self.steps - 1:
+                break
+            exp_scores, pick = child_scores.topk(k, dim=-1)  # [B, K] the next nodes to expand
+            parent_slot = pick // k  # which expanded node each came from
+            h_in = h_out.view(batch, k, -1).gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, h_out.shape[-1]))
+            prev = ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1]))
+            ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool).expand(batch, k, k)], dim=2)
+            expanded = offset + pick
+        all_tokens, all_scores, all_parents = (torch.cat(x, 1).cpu() for x in (cand_tokens, cand_scores, cand_parents))
+        return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], self.num_nodes)
+                for b, s in enumerate(seqs)]
+
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft over every committed pair it has not seen; return the last pair's logits and
+        hidden state per sequence."""
+        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+        for seq in seqs:
+            state = seq.draft_state
+            start, end = state.computed, seq.num_computed_tokens
+            feats = torch.cat(state.pending)
+            assert feats.shape[0] == end - start, f"{seq.request_id}: {feats.shape[0]} features for {end - start} pairs"
+            ids.extend(seq.token_ids[start + 1:end + 1])
+            positions.extend(range(start, end))
+            hidden.append(feats)
+            q_lens.append(end - start)
+            seq_lens.append(end)
+            last.append(sum(q_lens) - 1)
+            state.computed, state.pending = end, []
+        meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device)
+        logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
+        index = self._ids(last)
+        return logits[index], h[index]
+
+    def _expand(self, seqs, base, depth, tokens, h_in, ancestors):
+        """Run the draft on the K nodes being expanded at this depth (scratch slots past the prefix)."""
+        batch, k = tokens.shape
+        masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
+        seq_lens = (base + depth * k).tolist()
+        meta = build_metadata([k] * batch, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
+                              tree_masks=masks)
+        positions = (base + depth - 1).repeat_interleave(k).to(self.device)
+        logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
+        return logits, h
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,68 @@
+"""Draft trees: the tokens one request proposes for one verify, as a tree rooted at its last token.
+
+Node 0 is the root (the last accepted token, whose KV the verify step computes); nodes 1..N-1 are
+draft tokens in level order, so a parent always precedes its children. A chain is a tree whose node
+i has parent i-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # [N] target token ids; tokens[0] is the root
+    parents: list[int]  # [N] parent node index; parents[0] = -1
+
+    @classmethod
+    def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
+        return cls([root] + drafts, [-1] + list(range(len(drafts))))
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        depth = [0] * self.size
+        for i in range(1, self.size):
+            depth[i] = depth[self.parents[i]] + 1
+        return depth
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(node + 1, self.size) if self.parents[i] == node]
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        mask = torch.eye(self.size, dtype=torch.bool)
+        for i in range(1, self.size):
+            mask[i] |= mask[self.parents[i]]
+        return mask
+
+
+def select_tree(root: int, cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor,
+                num_nodes: int) -> DraftTree:
+    """Keep the best num_nodes - 1 candidates by cumulative score, plus the root.
+
+    cand_* [C] describe candidates in generation (level) order; cand_parents index candidates, -1 is the
+    root. A child's score never exceeds its parent's, and the stable sort prefers earlier candidates on
+    ties, so the kept set always contains every kept node's ancestors.
+    """
+    order = torch.sort(-cand_scores, stable=True).indices[:num_nodes - 1]
+    keep = sorted(order.tolist())
+    index = {c: i + 1 for i, c in enumerate(keep)}
+    tokens, parents = [root], [-1]
+    cand_tokens, cand_parents = cand_tokens.tolist(), cand_parents.tolist()
+    for c in keep:
+        tokens.append(cand_tokens[c])
+        parents.append(0 if cand_parents[c] < 0 else index[cand_parents[c]])
+    return DraftTree(tokens, parents)

@@ -1,0 +1,57 @@
+"""Tiny random EAGLE-3 draft checkpoints in the published format, for tests."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+
+def make_eagle3_checkpoint(path: str, target: str, seed: int = 0, draft_vocab: int | None = None,
+                           fmt: str = "safetensors", scale: float = 0.3) -> str:
+    """Write a random EAGLE-3 draft for the Hugging Face target folder `target`."""
+    cfg = json.load(open(os.path.join(target, "config.json")))
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    heads, kv = 4, 2
+    d = h // heads
+    inter = 96
+    dv = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g) * scale  # noqa: E731
+    tensors = {
+        "fc.weight": r(h, 3 * h) / 3,
+        "midlayer.hidden_norm.weight": 1 + r(h) * 0.1,
+        "midlayer.input_layernorm.weight": 1 + r(h) * 0.1,
+        "midlayer.self_attn.q_proj.weight": r(heads * d, 2 * h),
+        "midlayer.self_attn.k_proj.weight": r(kv * d, 2 * h),
+        "midlayer.self_attn.v_proj.weight": r(kv * d, 2 * h),
+        "midlayer.self_attn.o_proj.weight": r(h, heads * d),
+        "midlayer.post_attention_layernorm.weight": 1 + r(h) * 0.1,
+        "midlayer.mlp.gate_proj.weight": r(inter, h),
+        "midlayer.mlp.up_proj.weight": r(inter, h),
+        "midlayer.mlp.down_proj.weight": r(h, inter),
+        "norm.weight": 1 + r(h) * 0.1,
+        "lm_head.weight": r(dv, h),
+    }
+    # draft vocabulary: every other target token, as offsets (target = draft + d2t[draft])
+    kept = torch.arange(dv) * (vocab // dv)
+    tensors["d2t"] = kept - torch.arange(dv)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[kept] = True
+    tensors["t2d"] = t2d
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": dv,
+        "max_position_embeddings": cfg.get("max_position_embeddings", 512), "rope_theta": 10000.0,
+        "target_hidden_size": h,
+    }
+    json.dump(config, open(os.path.join(path, "config.json"), "w"), indent=1)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+    else:
+        torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+    return path
