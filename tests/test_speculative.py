@@ -89,3 +89,37 @@ def test_bad_drafts_are_refused(pair, tmp_path):
     json.dump(cfg, open(tmp_path / "medusa" / "config.json", "w"))
     with pytest.raises(ValueError, match="unknown draft architecture"):
         make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "medusa"))
+
+
+def test_loader_reads_published_format(pair, tmp_path):
+    import torch
+
+    from specserve.models import ArchConfig, read_config
+    from specserve.spec.eagle3 import load_eagle3
+
+    target, _ = pair
+    arch = ArchConfig.from_dict(read_config(target))
+    for fmt in ("safetensors", "bin"):
+        path = make_eagle3_checkpoint(str(tmp_path / fmt), target, seed=2, draft_vocab=32, fmt=fmt)
+        draft = load_eagle3(path, arch, torch.float32, torch.device("cpu"))
+        sd = torch.load(path + "/pytorch_model.bin", weights_only=True) if fmt == "bin" else None
+        if sd is not None:  # fused q/k/v rows are the published q, k, v in order
+            assert torch.equal(draft.midlayer.self_attn.qkv_proj.weight[:64], sd["midlayer.self_attn.q_proj.weight"])
+            assert torch.equal(draft.lm_head.weight, sd["lm_head.weight"])
+        assert draft.to_target_ids(torch.tensor([0, 1, 31])).tolist() == [0, 2, 62]  # d2t offsets
+        assert draft.fc.weight.shape == (64, 192)
+    # a mis-shaped tensor is refused with its name
+    from safetensors.torch import load_file, save_file
+
+    bad = make_eagle3_checkpoint(str(tmp_path / "bad"), target, seed=2)
+    tensors = load_file(bad + "/model.safetensors")
+    tensors["midlayer.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # k_proj takes 2H = 128 inputs
+    save_file(tensors, bad + "/model.safetensors")
+    with pytest.raises(ValueError, match="midlayer.self_attn.k_proj.weight"):
+        load_eagle3(bad, arch, torch.float32, torch.device("cpu"))
+    # and speculation with a draft vocabulary smaller than the target's stays lossless
+    small = str(tmp_path / "safetensors")
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=small)
+    plain = make_llm(target).generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    spec = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert spec[0].token_ids == plain[0].token_ids

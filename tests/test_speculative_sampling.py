@@ -1,0 +1,58 @@
+"""Speculative sampling is lossless: emitted tokens follow the target's distribution."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+
+from .conftest import assert_pool_full, make_hf_checkpoint, make_llm
+from .eagle_utils import make_eagle3_checkpoint
+from .stats import chi_square_pvalue, reference_distribution
+
+VOCAB = 64
+N = 4000
+PROMPT = [7, 3, 11, 40, 2]
+PARAMS = dict(temperature=0.8, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("specsample")
+    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=VOCAB, layers=4)
+    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+
+
+def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([prefix])).logits[0, -1]
+
+
+@pytest.mark.parametrize("spec", [dict(speculative_num_steps=2, speculative_eagle_topk=1),
+                                  dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)],
+                         ids=["chain", "tree"])
+def test_emitted_distribution_matches_target(pair, spec):
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, max_num_seqs=512,
+                   max_num_batched_tokens=4096, **spec)
+    outs = llm.generate([PROMPT] * N, SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS))
+    assert llm.engine.stats.spec.num_accepted_tokens > 50, "drafts must be accepted for the test to mean anything"
+    assert_pool_full(llm)
+    # the 2nd and 3rd tokens come out of verify steps (accepted drafts or recovered/bonus tokens)
+    first = Counter(o.token_ids[0] for o in outs).most_common(1)[0][0]
+    given_first = [o.token_ids for o in outs if o.token_ids[0] == first]
+    second = Counter(ids[1] for ids in given_first).most_common(1)[0][0]
+    checks = [(PROMPT + [first], [ids[1] for ids in given_first]),
+              (PROMPT + [first, second], [ids[2] for ids in given_first if ids[1] == second])]
+    for prefix, tokens in checks:
+        assert len(tokens) > 300
+        counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
+        logits = target_logits(target, prefix)
+        assert chi_square_pvalue(counts, reference_distribution(logits, **PARAMS)) > 1e-3
+        wrong = reference_distribution(logits, temperature=PARAMS["temperature"] * 1.6, top_p=PARAMS["top_p"])
+        assert chi_square_pvalue(counts, wrong) < 1e-4  # the test has the power to see a skew
