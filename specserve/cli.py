@@ -62,6 +62,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_command(sub) -> None:
+    """`specserve serve`: the OpenAI-compatible server; engine flags plus the server's own."""
+    from .server.options import add_server_args
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.options import server_options
+
+    options = server_options(args)
+    config = EngineConfig.from_options(**engine_options(args))
+    try:
+        from .server.serve import run
+    except ImportError as e:
+        raise ConfigError(f"`specserve serve` needs the server extra ({e.name} is missing): "
+                          f"pip install 'specserve[server]'") from e
+    return run(config, options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+    add_serve_command(sub)
     return parser
 
 

@@ -105,6 +105,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def check_prompt(self, ids: list[int]) -> None:
+        """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""
+        self._check_prompt(ids)
+
     def _check_prompt(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
         if not ids:

@@ -319,6 +319,10 @@ class ChatDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def __add__(self, other: "ChatDelta") -> "ChatDelta":
+        return ChatDelta(self.reasoning + other.reasoning, self.content + other.content,
+                         self.tool_calls + other.tool_calls)
+
 
 class ChatOutputParser:
     """Reasoning first (when configured), then tool calls in the content (when the request has tools)."""
@@ -342,7 +346,7 @@ class ChatOutputParser:
             return ChatDelta(r.reasoning, r.content)
         t = self.tools.feed(r.content)
         end = self.tools.finish()
-        return ChatDelta(r.reasoning, t.content + end.content, t.tool_calls + end.tool_calls)
+        return ChatDelta(r.reasoning, t.content, t.tool_calls) + ChatDelta("", end.content, end.tool_calls)
 
 
 @dataclass
@@ -363,7 +367,7 @@ class ParsedMessage:
 
 
 def parse_message(parser: ChatOutputParser, text: str) -> ParsedMessage:
+    """The whole text through the same parser a stream uses."""
     message = ParsedMessage()
-    message.add(parser.feed(text))
-    message.add(parser.finish())
+    message.add(parser.feed(text) + parser.finish())
     return message

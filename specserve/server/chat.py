@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template; the output split into
+reasoning, content and tool calls by the configured parsers."""
+from __future__ import annotations
+
+import uuid
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+from jinja2 import TemplateError
+
+from ..engine.engine import RequestOutput
+from ..engine.sequence import TokenLogprob
+from .errors import bad_request
+from .formatting import Formatter, new_logprobs
+from .generation import parse_body, respond, sampling_params
+from .parsers import ChatDelta, ChatOutputParser, parse_message
+from .protocol import ChatCompletionRequest
+from .state import ServerState
+
+
+class ChatFormatter(Formatter):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(self, *args, reasoning_parser: Optional[str], tools: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reasoning_parser = reasoning_parser
+        self.tools = tools
+        self.parser = ChatOutputParser(reasoning_parser, tools)  # the streamed response's
+
+    # ---- streamed -------------------------------------------------------------------------------
+    def first_chunks(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, None, None)]
+
+    def chunk(self, out: RequestOutput) -> Optional[dict]:
+        delta = self.parser.feed(out.new_text)
+        if out.finished:
+            delta = delta + self.parser.finish()
+        logprobs = self._logprobs(new_logprobs(out)) if self.logprobs else None
+        reason = self._finish_reason(self.parser, out.finish_reason) if out.finished else None
+        if not delta and logprobs is None and reason is None:
+            return None
+        return self._chunk(_delta_fields(delta), logprobs, reason)
+
+    def end_chunk(self, finish_reason: str) -> dict:
+        return self._chunk({}, None, finish_reason)
+
+    def _chunk(self, delta: dict, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.envelope(self.chunk_object, [choice])
+
+    # ---- not streamed ---------------------------------------------------------------------------
+    def choice(self, out: RequestOutput) -> dict:
+        parser = ChatOutputParser(self.reasoning_parser, self.tools)
+        parsed = parse_message(parser, out.text)
+        message = {"role": "assistant", "content": parsed.content}
+        if self.reasoning_parser:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parsed.tool_calls:
+            message["content"] = parsed.content or None
+            message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in parsed.tool_calls]
+        logprobs = self._logprobs(list(zip(out.token_ids, out.logprobs))) if self.logprobs else None
+        return {"index": 0, "message": message, "logprobs": logprobs,
+                "finish_reason": self._finish_reason(parser, out.finish_reason)}
+
+    @staticmethod
+    def _finish_reason(parser: ChatOutputParser, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
+
+    def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
+        """The chat logprobs shape: one entry per token with its top alternatives."""
+        return {"content": [dict(self._entry(token_id, lp.logprob),
+                                 top_logprobs=[self._entry(t, v) for t, v in lp.top]) for token_id, lp in tokens]}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _delta_fields(delta: ChatDelta) -> dict:
+    fields = {}
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    if delta.tool_calls:
+        fields["tool_calls"] = [piece.to_openai() for piece in delta.tool_calls]
+    return fields
+
+
+def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """The messages (and tools) through the tokenizer's chat template, as token ids."""
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    try:
+        text = tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(),
+                                             add_generation_prompt=True, tokenize=False,
+                                             **(req.chat_template_kwargs or {}))
+    except (TemplateError, ValueError, TypeError) as e:
+        raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens itself
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    engine = state.serving_engine()
+    req = await parse_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    tools = req.wants_tool_calls
+    if tools and state.options.tool_call_parser is None:
+        raise bad_request("this server parses no tool calls: start it with --tool-call-parser, "
+                          "or send tool_choice 'none'", "tools")
+    prompt_ids = render_prompt(engine.tokenizer, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs)
+    fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, state.token_text, req.logprobs,
+                        reasoning_parser=state.options.reasoning_parser, tools=tools)
+    return await respond(request, state, req, prompt_ids, params, fmt)

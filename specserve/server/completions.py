@@ -1,0 +1,68 @@
+"""POST /v1/completions: text (or token ids) in, text out."""
+from __future__ import annotations
+
+import uuid
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..engine.engine import RequestError, RequestOutput
+from ..engine.sequence import TokenLogprob
+from .errors import bad_request
+from .formatting import Formatter, new_logprobs
+from .generation import parse_body, respond, sampling_params
+from .protocol import CompletionRequest
+from .state import ServerState
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class CompletionFormatter(Formatter):
+    object = chunk_object = "text_completion"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.text_offset = 0
+
+    def chunk(self, out: RequestOutput) -> Optional[dict]:
+        logprobs = self._logprobs(new_logprobs(out)) if self.logprobs else None
+        if not out.new_text and logprobs is None and not out.finished:
+            return None
+        return self.envelope(self.chunk_object, [_choice(out.new_text, logprobs, out.finish_reason)])
+
+    def end_chunk(self, finish_reason: str) -> dict:
+        return self.envelope(self.chunk_object, [_choice("", None, finish_reason)])
+
+    def choice(self, out: RequestOutput) -> dict:
+        logprobs = self._logprobs(list(zip(out.token_ids, out.logprobs))) if self.logprobs else None
+        return _choice(out.text, logprobs, out.finish_reason)
+
+    def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
+        """The completions logprobs shape: parallel lists, top alternatives as {token: logprob}."""
+        texts = [self.token_text(token_id) for token_id, _ in tokens]
+        offsets = []
+        for text in texts:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in tokens],
+                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for _, lp in tokens],
+                "text_offset": offsets}
+
+
+def _choice(text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+async def create_completion(request: Request, state: ServerState) -> Response:
+    engine = state.serving_engine()
+    req = await parse_body(request, CompletionRequest)
+    state.check_model(req.model)
+    try:
+        prompt_ids = engine.engine.tokenize(req.prompt)
+    except RequestError as e:
+        raise bad_request(str(e), "prompt") from None
+    params = sampling_params(engine, req, prompt_ids, "prompt", req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
+    fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, state.token_text,
+                              req.logprobs is not None)
+    return await respond(request, state, req, prompt_ids, params, fmt)

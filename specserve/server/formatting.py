@@ -1,0 +1,88 @@
+"""Response bodies and stream chunks: what both generation endpoints share."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from ..engine.engine import RequestOutput
+from ..engine.sequence import TokenLogprob
+
+
+def sse(obj) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens}
+
+
+def new_logprobs(out: RequestOutput) -> list[tuple[int, TokenLogprob]]:
+    """(token id, logprob) of the tokens this output added. `out.logprobs` is the request's live list,
+    so it is sliced by position, never taken whole."""
+    end = len(out.token_ids)
+    start = end - len(out.new_token_ids)
+    return list(zip(out.new_token_ids, out.logprobs[start:end]))
+
+
+class TokenText:
+    """Each token's own text (for logprobs), decoded once and cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+            self._cache[token_id] = text
+        return text
+
+
+class Formatter:
+    """Turns one request's outputs into an endpoint's OpenAI bodies. Subclasses fill in the choices."""
+
+    object = ""  # the non-streamed body's "object"
+    chunk_object = ""  # a streamed chunk's "object"
+
+    def __init__(self, response_id: str, model: str, token_text: TokenText, logprobs: bool):
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.token_text = token_text
+        self.logprobs = logprobs
+
+    def envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    # ---- streamed -------------------------------------------------------------------------------
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, out: RequestOutput) -> Optional[dict]:
+        """The chunk for one output, or None when it adds nothing to send yet."""
+        raise NotImplementedError
+
+    def end_chunk(self, finish_reason: str) -> dict:
+        """A last chunk with no new content, ending the choice (used when the server aborts)."""
+        raise NotImplementedError
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+        body = self.envelope(self.chunk_object, [])
+        body["usage"] = usage(num_prompt_tokens, num_completion_tokens)
+        return body
+
+    # ---- not streamed ---------------------------------------------------------------------------
+    def response(self, out: RequestOutput, num_prompt_tokens: int) -> dict:
+        body = self.envelope(self.object, [self.choice(out)])
+        body["usage"] = usage(num_prompt_tokens, len(out.token_ids))
+        return body
+
+    def choice(self, out: RequestOutput) -> dict:
+        raise NotImplementedError

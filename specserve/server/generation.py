@@ -1,0 +1,129 @@
+"""The path both generation endpoints share: check the request against the engine, submit it, and answer
+with one body or a stream of chunks. A client that goes away aborts its request."""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional, Type, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from ..engine.async_engine import AsyncEngine, EngineDeadError
+from ..engine.engine import RequestError, RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import APIError, bad_request, from_validation_error, server_error, unavailable
+from .formatting import SSE_DONE, Formatter, sse
+from .protocol import SamplingRequest
+from .state import ServerState
+from .streams import OutputStream, RequestAborted
+
+Body = TypeVar("Body", bound=BaseModel)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def parse_body(request: Request, model: Type[Body]) -> Body:
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The error a client gets for a request that failed after submission."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestAborted):
+        return unavailable(str(exc))
+    if isinstance(exc, EngineDeadError):
+        return server_error(str(exc))
+    if isinstance(exc, (RequestError, ValueError)):
+        return bad_request(str(exc))
+    return server_error(f"the request failed: {exc!r}")
+
+
+def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[int], prompt_param: str,
+                    max_tokens: Optional[int], default_max_tokens: Optional[int],
+                    logprobs: Optional[int]) -> SamplingParams:
+    """Check the prompt and the output length against max_model_len; build the request's SamplingParams.
+
+    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left.
+    """
+    core = engine.engine
+    try:
+        core.check_prompt(prompt_ids)
+    except RequestError as e:
+        raise bad_request(str(e), prompt_param) from None
+    max_len = core.config.model.max_model_len
+    room = max_len - len(prompt_ids)
+    if max_tokens is None:
+        max_tokens = min(room, default_max_tokens or room)
+    elif max_tokens > room:
+        raise bad_request(f"max_tokens {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
+                          f"max_model_len {max_len}: ask for at most {room}", "max_tokens")
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+async def respond(request: Request, state: ServerState, req: SamplingRequest, prompt_ids: list[int],
+                  params: SamplingParams, fmt: Formatter) -> Response:
+    """Submit the request and answer: a stream of chunks, or one body once it finishes."""
+    stream = state.requests.submit(prompt_ids, params, fmt.id)
+    if req.stream:
+        return StreamingResponse(_events(stream, fmt, req.include_usage), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    out = await _finished_or_disconnected(request, stream)
+    if out is None:
+        return Response(status_code=499)  # nobody is listening
+    return JSONResponse(fmt.response(out, stream.num_prompt_tokens))
+
+
+async def _events(stream: OutputStream, fmt: Formatter, include_usage: bool) -> AsyncIterator[str]:
+    """The SSE body. It always ends with [DONE]: a request the server aborts ends its choice with
+    finish_reason "abort"; an engine failure sends an error event. Closing it (the client went away)
+    aborts the request."""
+    last: Optional[RequestOutput] = None
+    try:
+        for chunk in fmt.first_chunks():
+            yield sse(chunk)
+        try:
+            async for out in stream:
+                last = out
+                chunk = fmt.chunk(out)
+                if chunk is not None:
+                    yield sse(chunk)
+        except RequestAborted:
+            yield sse(fmt.end_chunk("abort"))
+        except Exception as e:  # the engine failed under the request: headers are sent, say it in-band
+            yield sse(as_api_error(e).body())
+        if include_usage:
+            yield sse(fmt.usage_chunk(stream.num_prompt_tokens, len(last.token_ids) if last else 0))
+        yield SSE_DONE
+    finally:
+        stream.close()
+
+
+async def _finished_or_disconnected(request: Request, stream: OutputStream) -> Optional[RequestOutput]:
+    """The finished output, or None if the client disconnects first (the request is then aborted)."""
+    work = asyncio.ensure_future(stream.final())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            try:
+                return work.result()
+            except Exception as e:
+                raise as_api_error(e) from e
+        return None
+    finally:
+        gone.cancel()
+        work.cancel()
+        stream.close()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the request body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

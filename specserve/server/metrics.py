@@ -1,0 +1,100 @@
+"""Prometheus metrics for /metrics, named like vLLM's with a `specserve:` prefix.
+
+Each server has its own CollectorRegistry. Latency histograms are observed as outputs reach the server;
+engine counters (tokens, speculation) are read from `engine.stats` at scrape time on the event loop
+thread, without locking: they are plain ints the engine thread only ever increases.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..engine.async_engine import AsyncEngine
+from ..engine.engine import RequestOutput
+from .streams import OutputStream
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineCollector:
+    """Engine gauges and counters, read when Prometheus scrapes (nothing while the model loads)."""
+
+    def __init__(self, engine: Callable[[], Optional[AsyncEngine]], model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+
+    def _family(self, cls, name: str, doc: str, value: float) -> Metric:
+        family = cls(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.engine()
+        if engine is None:
+            return
+        core = engine.engine
+        stats, spec = core.stats, core.stats.spec
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(gauge, "specserve:num_requests_running", "Requests running in the engine",
+                           len(core.scheduler.running))
+        yield self._family(gauge, "specserve:num_requests_waiting", "Requests waiting to be scheduled",
+                           len(core.scheduler.waiting))
+        yield self._family(gauge, "specserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
+                           core.blocks.usage)
+        yield self._family(counter, "specserve:prompt_tokens", "Prompt tokens computed", stats.num_prompt_tokens)
+        yield self._family(counter, "specserve:generation_tokens", "Output tokens generated",
+                           stats.num_generation_tokens)
+        yield self._family(counter, "specserve:num_preemptions", "Requests preempted", stats.num_preemptions)
+        yield self._family(counter, "specserve:spec_decode_num_drafts", "Speculative verifies (one per request)",
+                           spec.num_drafts)
+        yield self._family(counter, "specserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
+                           spec.num_draft_tokens)
+        yield self._family(counter, "specserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                           spec.num_accepted_tokens)
+        per_pos = CounterMetricFamily("specserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position",
+                                      labels=[*self.labels, "position"])
+        for position, count in enumerate(list(spec.accepted_per_position)):
+            per_pos.add_metric([*self.labels.values(), str(position)], count)
+        yield per_pos
+        yield self._family(gauge, "specserve:spec_decode_k", "Draft tokens per request chosen for the latest step",
+                           spec.last_k)
+
+
+class ServerMetrics:
+    """The server's registry: request latencies observed here, engine counters collected at scrape time."""
+
+    def __init__(self, model_name: str, engine: Callable[[], Optional[AsyncEngine]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("specserve:time_to_first_token_seconds", "Time from arrival to the first token")
+        self.itl = histogram("specserve:inter_token_latency_seconds", "Time between outputs of a request")
+        self.e2e = histogram("specserve:e2e_request_latency_seconds", "Time from arrival to the last token")
+        self._finished = Counter("specserve:request_success", "Requests finished, by finish reason",
+                                 ["model_name", "finished_reason"], registry=self.registry)
+        self._model_name = model_name
+
+    def on_output(self, stream: OutputStream, out: RequestOutput) -> None:
+        """Observe one output as it reaches the server."""
+        now = time.monotonic()
+        if out.new_token_ids:
+            if stream.last_token_time is None:
+                self.ttft.observe(now - stream.arrival)
+            else:
+                self.itl.observe(now - stream.last_token_time)
+            stream.last_token_time = now
+        if out.finished:
+            self.e2e.observe(now - stream.arrival)
+            self._finished.labels(self._model_name, out.finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

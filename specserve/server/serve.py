@@ -1,0 +1,163 @@
+"""Process lifetime of `specserve serve`.
+
+Bind at once and answer /health with 503 while the model loads and warms up in the background; serve;
+on SIGTERM or SIGINT drain: refuse new requests with 503, let those in flight finish for up to
+`shutdown_timeout` seconds, abort the rest (a stream then ends with finish_reason "abort"), and exit 0.
+A second signal aborts at once. A model that fails to load exits 1; an engine that fails while serving
+turns /health to 503 and ends every request with a 500 error.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Optional
+
+import uvicorn
+
+from ..config import EngineConfig
+from ..engine.async_engine import AsyncEngine, EngineDeadError
+from ..sampling_params import SamplingParams
+from .app import build_app
+from .options import ServerOptions
+from .state import Phase, ServerState, engine_failure
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "specserve-default"
+WATCH_INTERVAL_S = 0.5  # how often the engine's health is checked while serving
+SEND_GRACE_S = 5.0  # after the drain: time for the last responses to reach their clients
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a signal starts specserve's drain instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, on_signal):
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self._on_signal(sig)
+
+
+async def warm_up(engine: AsyncEngine) -> None:
+    """One tiny request through the whole engine path, so the first client does not pay for it."""
+    ids = (engine.engine.tokenize("Hello") if engine.tokenizer is not None else []) or [0]
+    async for _ in engine.generate(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "warm-up"):
+        pass
+
+
+async def watch_engine(state: ServerState, interval: float = WATCH_INTERVAL_S) -> None:
+    """Once the engine has failed, end every request in flight with the error, so none waits forever
+    (new requests are refused by `ServerState.serving_engine`)."""
+    engine = state.engine
+    while engine.healthy:
+        await asyncio.sleep(interval)
+    reason = engine_failure(engine)
+    log.error("the engine failed (%s): /health turns 503 and requests get 500", reason)
+    error = EngineDeadError(f"the engine failed: {reason}")
+    while True:
+        state.requests.fail_all(error)
+        await asyncio.sleep(interval)
+
+
+class Lifecycle:
+    """Starts the engine, watches it, and drains and stops the server on signals."""
+
+    def __init__(self, state: ServerState, engine_config: EngineConfig):
+        self.state = state
+        self.engine_config = engine_config
+        self.server: Optional[uvicorn.Server] = None
+        self.exit_code = 0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._start_task: Optional[asyncio.Task] = None
+        self._watch_task: Optional[asyncio.Task] = None
+        self._drain_task: Optional[asyncio.Task] = None
+        self._stopping = False
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self._loop = asyncio.get_running_loop()
+        self._start_task = asyncio.create_task(self._start())
+        try:
+            yield
+        finally:
+            await self._stop()
+
+    # ---- start ------------------------------------------------------------------------------------
+    async def _start(self) -> None:
+        try:
+            engine = await asyncio.to_thread(AsyncEngine, self.engine_config)
+            self.state.attach(engine)
+            if self._stopping:
+                return
+            await warm_up(engine)
+        except Exception as e:
+            log.error("the model could not be loaded: %s", e, exc_info=e)
+            self.state.startup_error = e
+            self.state.phase = Phase.FAILED
+            self.exit_code = 1
+            self.server.should_exit = True
+            return
+        if self.state.phase is Phase.STARTING:
+            self.state.phase = Phase.SERVING
+            log.info("ready: serving %r on http://%s:%d", self.state.model_name, self.state.options.host,
+                     self.state.options.port)
+        self._watch_task = asyncio.create_task(watch_engine(self.state))
+
+    # ---- signals and drain ------------------------------------------------------------------------
+    def on_signal(self, sig: int) -> None:
+        """Runs inside the signal handler: hand over to the event loop."""
+        if self._loop is None:
+            self.server.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._signalled, sig)
+
+    def _signalled(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self._drain_task is None:
+            log.info("%s: draining (up to %.1f s for requests in flight)", name, self.state.options.shutdown_timeout)
+            self._drain_task = asyncio.create_task(self._drain())
+        else:
+            log.warning("%s again: aborting requests in flight now", name)
+            self._abort_in_flight()
+            self.server.should_exit = True
+
+    async def _drain(self) -> None:
+        if self.state.phase is Phase.SERVING:
+            self.state.phase = Phase.DRAINING
+            if not await self.state.requests.wait_empty(self.state.options.shutdown_timeout):
+                log.warning("shutdown timeout: aborting %d requests in flight", len(self.state.requests))
+                self._abort_in_flight()
+        self.server.should_exit = True
+
+    def _abort_in_flight(self) -> None:
+        if self.state.requests is not None:
+            self.state.requests.abort_all("the server is shutting down")
+
+    # ---- stop -------------------------------------------------------------------------------------
+    async def _stop(self) -> None:
+        self._stopping = True
+        for task in (self._watch_task, self._drain_task):
+            if task is not None:
+                task.cancel()
+        if self._start_task is not None:
+            await asyncio.gather(self._start_task, return_exceptions=True)  # a load cannot be interrupted
+        self._abort_in_flight()
+        if self.state.engine is not None:
+            await asyncio.to_thread(self.state.engine.shutdown)
+
+
+def run(engine_config: EngineConfig, options: ServerOptions) -> int:
+    """Serve until SIGTERM or SIGINT. Returns the exit code: 0, or 1 when the model failed to load."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = ServerState(options, options.served_model_name or engine_config.model.model or DEFAULT_MODEL_NAME)
+    lifecycle = Lifecycle(state, engine_config)
+    app = build_app(state, lifespan=lifecycle.lifespan)
+    config = uvicorn.Config(app, host=options.host, port=options.port, http="h11", loop="asyncio",
+                            lifespan="on", access_log=False, timeout_graceful_shutdown=SEND_GRACE_S)
+    server = _Server(config, lifecycle.on_signal)
+    lifecycle.server = server
+    server.run()
+    return lifecycle.exit_code

@@ -1,0 +1,104 @@
+"""What the routes share: the options, the engine once it is loaded, the requests in flight, the metrics,
+and the server's phase (starting -> serving -> draining, or failed)."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Optional
+
+from .. import __version__
+from ..engine.async_engine import AsyncEngine
+from .errors import APIError, server_error, unavailable
+from .formatting import TokenText
+from .metrics import ServerMetrics
+from .options import ServerOptions
+from .streams import RequestRegistry
+
+
+def engine_failure(engine: AsyncEngine) -> str:
+    """Why a stopped engine stopped."""
+    return repr(engine.error) if engine.error is not None else "the engine thread stopped"
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"  # loading and warming the model
+    SERVING = "serving"
+    DRAINING = "draining"  # SIGTERM: finishing what is in flight, refusing new requests
+    FAILED = "failed"  # the model could not be loaded
+
+
+class ServerState:
+    def __init__(self, options: ServerOptions, model_name: str):
+        self.options = options
+        self.model_name = model_name
+        self.phase = Phase.STARTING
+        self.engine: Optional[AsyncEngine] = None
+        self.requests: Optional[RequestRegistry] = None
+        self.token_text: Optional[TokenText] = None
+        self.startup_error: Optional[BaseException] = None
+        self.metrics = ServerMetrics(model_name, lambda: self.engine)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        """Take the loaded engine (the server starts serving once it is warmed: `phase`)."""
+        capacity = engine.engine.config.scheduler.max_num_seqs + self.options.max_queued_requests
+        self.requests = RequestRegistry(engine, capacity, self.metrics.on_output)
+        self.token_text = TokenText(engine.tokenizer)
+        self.engine = engine
+
+    # ---- gates ----------------------------------------------------------------------------------
+    def serving_engine(self) -> AsyncEngine:
+        """The engine, when a new request may be served now; otherwise raises the APIError to answer."""
+        if self.phase is Phase.STARTING:
+            raise unavailable("the server is starting: the model is still loading")
+        if self.phase is Phase.DRAINING:
+            raise unavailable("the server is shutting down")
+        if self.phase is Phase.FAILED:
+            raise unavailable(f"the model failed to load: {self.startup_error!r}")
+        if not self.engine.healthy:
+            raise server_error(f"the engine has failed and serves no more requests: "
+                               f"{engine_failure(self.engine)}")
+        return self.engine
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def health(self) -> tuple[int, dict]:
+        """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""
+        if self.phase is Phase.SERVING and self.engine.healthy:
+            return 200, {"status": "ok"}
+        body = {"status": self.phase.value}
+        if self.phase is Phase.FAILED:
+            body["error"] = repr(self.startup_error)
+        elif self.engine is not None and not self.engine.healthy:
+            body.update(status="failed", error=engine_failure(self.engine))
+        return 503, body
+
+    # ---- /server_info -----------------------------------------------------------------------------
+    def info(self) -> dict:
+        """Configuration and live statistics (speculation included) for /server_info."""
+        options = dataclasses.asdict(self.options)
+        options["api_key"] = "(set)" if self.options.api_key else None
+        info = {"version": __version__, "model": self.model_name, "phase": self.phase.value, "server": options}
+        if self.engine is None:
+            return info
+        core = self.engine.engine
+        stats = dataclasses.asdict(core.stats)
+        spec = stats.pop("spec")
+        spec["mean_acceptance_length"] = core.stats.spec.mean_acceptance_length
+        info.update(
+            config=core.config.flat(),
+            healthy=self.engine.healthy,
+            kv_total_blocks=core.blocks.num_blocks,
+            kv_free_blocks=core.blocks.num_free_blocks,
+            kv_cache_usage=core.blocks.usage,
+            num_requests_running=len(core.scheduler.running),
+            num_requests_waiting=len(core.scheduler.waiting),
+            num_requests_in_flight=len(self.requests),
+            stats=stats,
+            spec=spec,
+            avg_spec_accept_length=core.stats.spec.mean_acceptance_length,
+        )
+        return info
+

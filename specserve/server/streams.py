@@ -1,0 +1,144 @@
+"""One request's outputs on the server side, and the set of requests in flight.
+
+A pump task iterates the engine's stream for the request and queues what arrives, so the request can be
+ended from outside (shutdown, engine failure) by cancelling the pump: its only await is on the engine, and
+cancelling it there closes the engine's stream, which aborts the request and frees its KV at once. The
+handler reading the queue closes the stream when it stops early (a client that went away).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator, Callable, Optional
+
+from ..engine.async_engine import AsyncEngine, EngineDeadError
+from ..engine.engine import RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import APIError
+
+
+class RequestAborted(Exception):
+    """The server ended the request before it finished (the message says why)."""
+
+
+class OutputStream:
+    """The outputs of one submitted request, in order; ends after the finished output."""
+
+    def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 on_output: Callable[["OutputStream", RequestOutput], None]):
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_ids)
+        self.arrival = time.monotonic()
+        self.last_token_time: Optional[float] = None
+        self._on_output = on_output
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._abort_reason = "the request was cancelled"
+        self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params), name=f"pump-{request_id}")
+        self._pump_task.add_done_callback(self._pump_done)
+
+    async def _pump(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams) -> None:
+        async for out in engine.generate(prompt_ids, params, self.request_id):
+            self._on_output(self, out)
+            self._queue.put_nowait(out)
+
+    def _pump_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self._queue.put_nowait(RequestAborted(self._abort_reason))
+        elif task.exception() is not None:
+            self._queue.put_nowait(task.exception())
+
+    @property
+    def done(self) -> bool:
+        """The engine is finished with this request (its KV is free or about to be)."""
+        return self._pump_task.done()
+
+    def add_done_callback(self, fn: Callable[["OutputStream"], None]) -> None:
+        self._pump_task.add_done_callback(lambda _: fn(self))
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs until the finished one. Raises RequestAborted, EngineDeadError or the engine's
+        validation error (RequestError / ValueError) when the request ends otherwise."""
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self.close()
+
+    async def final(self) -> RequestOutput:
+        """The finished output (it carries the whole text, tokens and logprobs)."""
+        out = None
+        async for out in self:
+            pass
+        return out
+
+    def abort(self, reason: str) -> None:
+        """End the request now; the reader gets RequestAborted(reason) after what already arrived."""
+        self._abort_reason = reason
+        self._pump_task.cancel()
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error for the reader (the engine died under it)."""
+        if not self.done:
+            self._pump_task.remove_done_callback(self._pump_done)
+            self._pump_task.cancel()
+            self._queue.put_nowait(error)
+
+    def close(self) -> None:
+        """The reader is gone: stop the request if it is still running (never awaits)."""
+        self._pump_task.cancel()
+
+
+class RequestRegistry:
+    """Requests submitted to the engine and not yet finished by it.
+
+    At most `capacity` (max_num_seqs + max_queued_requests) at once: one more gets 429. On shutdown the
+    server waits for the set to empty, then aborts what is left.
+    """
+
+    def __init__(self, engine: AsyncEngine, capacity: int,
+                 on_output: Callable[[OutputStream, RequestOutput], None]):
+        self.engine = engine
+        self.capacity = capacity
+        self._on_output = on_output
+        self._streams: set[OutputStream] = set()
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> OutputStream:
+        if len(self._streams) >= self.capacity:
+            raise APIError(429, f"the server is at capacity ({len(self._streams)} requests in flight, "
+                                f"limit {self.capacity}): retry later", "rate_limit_error", code="queue_full")
+        stream = OutputStream(self.engine, prompt_ids, params, request_id, self._on_output)
+        self._streams.add(stream)
+        self._empty.clear()
+        stream.add_done_callback(self._discard)
+        return stream
+
+    def _discard(self, stream: OutputStream) -> None:
+        self._streams.discard(stream)
+        if not self._streams:
+            self._empty.set()
+
+    async def wait_empty(self, timeout: float) -> bool:
+        """True when every request finished within timeout seconds."""
+        try:
+            await asyncio.wait_for(self._empty.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_all(self, reason: str) -> None:
+        for stream in list(self._streams):
+            stream.abort(reason)
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        for stream in list(self._streams):
+            stream.fail(error)

@@ -1,0 +1,132 @@
+"""Reasoning and tool-call parsers as worked examples: this output text, so this message. Every example
+is also fed in random chunkings (and one character at a time): the message must not depend on them."""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from specserve.server.parsers import ChatOutputParser, ParsedMessage, TagFinder, parse_message  # noqa: E402
+
+
+def chunkings(text: str, n: int = 30, seed: int = 0):
+    """The whole text, one character at a time, and n random splits."""
+    yield [text]
+    yield list(text)
+    rng = random.Random(seed)
+    for _ in range(n):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+        yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+
+
+def parse_streamed(pieces: list[str], reasoning=None, tools=False) -> tuple[ParsedMessage, list]:
+    parser = ChatOutputParser(reasoning, tools)
+    message, deltas = ParsedMessage(), []
+    for piece in pieces:
+        delta = parser.feed(piece)
+        deltas.append(delta)
+        message.add(delta)
+    end = parser.finish()
+    deltas.append(end)
+    message.add(end)
+    return message, deltas
+
+
+def same_in_every_chunking(text: str, reasoning=None, tools=False) -> ParsedMessage:
+    whole = parse_message(ChatOutputParser(reasoning, tools), text)
+    for pieces in chunkings(text):
+        got, _ = parse_streamed(pieces, reasoning, tools)
+        assert (got.reasoning, got.content) == (whole.reasoning, whole.content), pieces
+        assert [(c["name"], c["arguments"]) for c in got.tool_calls] == \
+               [(c["name"], c["arguments"]) for c in whole.tool_calls], pieces
+    return whole
+
+
+def test_tag_finder_holds_back_a_possible_tag_start():
+    f = TagFinder("</think>")
+    assert f.feed("abc</th") == ("abc", None)
+    assert f.feed("ink>rest") == ("", "rest")
+    assert f.feed("x</") == ("x", None)
+    assert f.feed("y") == ("</y", None)
+    assert f.flush() == ""
+
+
+@pytest.mark.parametrize("style, text, reasoning, content", [
+    ("qwen3", "<think>\nplan it\n</think>\n\nThe answer.", "\nplan it\n", "The answer."),
+    ("qwen3", "No thinking here.", "", "No thinking here."),
+    ("qwen3", "<think>cut off in the midd", "cut off in the midd", ""),
+    ("qwen3", "  <think>a</think>b", "a", "b"),
+    ("qwen3", "<thinking> is not the tag", "", "<thinking> is not the tag"),
+    ("qwen3", "<thi", "", "<thi"),
+    ("deepseek-r1", "the template opened it</think>\n\nanswer", "the template opened it", "answer"),
+    ("deepseek-r1", "<think>opened again</think>answer", "opened again", "answer"),
+    ("deepseek-r1", "never closed", "never closed", ""),
+    ("deepseek-r1", "x</think>", "x", ""),
+])
+def test_reasoning(style, text, reasoning, content):
+    message = same_in_every_chunking(text, reasoning=style)
+    assert (message.reasoning, message.content) == (reasoning, content)
+
+
+def test_one_tool_call():
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
+            '</tool_call>')
+    message = same_in_every_chunking(text, tools=True)
+    assert message.content == "Let me look."
+    [call] = message.tool_calls
+    assert call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris", "unit": "C"}
+    assert call["id"].startswith("call_")
+
+
+def test_two_calls_nested_arguments_and_tricky_strings():
+    args = {"q": "a } in a string, a \"quote\" and </tool", "nested": {"list": [1, {"x": "]"}]}}
+    text = (f'<tool_call>{{"name": "search", "arguments": {json.dumps(args)}}}</tool_call>\n'
+            '<tool_call>{"arguments": {"n": 2}, "name": "second"}</tool_call>\n')
+    message = same_in_every_chunking(text, tools=True)
+    assert message.content == ""
+    assert [c["name"] for c in message.tool_calls] == ["search", "second"]
+    assert [json.loads(c["arguments"]) for c in message.tool_calls] == [args, {"n": 2}]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # a block without a readable name is content, tags and all
+    ("a <tool_call>not json</tool_call> b", "a <tool_call>not json</tool_call> b", []),
+    # arguments given as a JSON string, or missing
+    ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f"}</tool_call>', "", [("f", "{}")]),
+    # text after a call; an unclosed block (output cut off) still reports the call
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>\n\nDone.', "Done.", [("f", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, 2', "", [("f", '{"a": [1, 2')]),
+    # no call at all: text is untouched, trailing whitespace included
+    ("plain text with <tool but no call \n", "plain text with <tool but no call \n", []),
+])
+def test_tool_call_edge_cases(text, content, calls):
+    message = same_in_every_chunking(text, tools=True)
+    assert message.content == content
+    assert [(c["name"], c["arguments"]) for c in message.tool_calls] == calls
+
+
+def test_streaming_sends_the_name_first_then_argument_fragments():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    _, deltas = parse_streamed([text[i:i + 4] for i in range(0, len(text), 4)], tools=True)
+    pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
+    first = pieces[0].to_openai()
+    assert first["type"] == "function" and first["id"].startswith("call_")
+    assert first["function"] == {"name": "get_weather", "arguments": ""}
+    fragments = [p.to_openai() for p in pieces[1:]]
+    assert len(fragments) > 2, "arguments should stream as they arrive"
+    assert all(set(f) == {"index", "function"} for f in fragments)
+    assert "".join(f["function"]["arguments"] for f in fragments) == '{"city": "Paris"}'
+
+
+def test_reasoning_then_tool_call():
+    text = '<think>I need the weather.</think>\n\n<tool_call>{"name": "w", "arguments": {"c": "Oslo"}}</tool_call>'
+    message = same_in_every_chunking(text, reasoning="qwen3", tools=True)
+    assert message.reasoning == "I need the weather."
+    assert message.content == ""
+    assert [(c["name"], c["arguments"]) for c in message.tool_calls] == [("w", '{"c": "Oslo"}')]
