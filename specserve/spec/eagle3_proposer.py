@@ -68,7 +68,7 @@ class Eagle3Proposer(Proposer):
         cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=self.device)]
         expanded = torch.arange(k, device=self.device).expand(batch, k)  # candidate index of each expanded node
         h_in = hidden.unsqueeze(1).expand(batch, k, hidden.shape[-1])  # [B, K, H]
-        ancestors = torch.eye(k, dtype=torch.bool).expand(batch, k, k)  # [B, K, K] over expanded nodes so far
+        ancestors = torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)  # [B, K, K] over expanded nodes so far
         exp_scores = scores
         for depth in range(1, self.steps):
             tokens = torch.cat(cand_tokens, 1).gather(1, expanded)  # [B, K]
@@ -86,7 +86,7 @@ class Eagle3Proposer(Proposer):
             parent_slot = pick // k  # which expanded node each came from
             h_in = h_out.view(batch, k, -1).gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, h_out.shape[-1]))
             prev = ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1]))
-            ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool).expand(batch, k, k)], dim=2)
+            ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)], dim=2)
             expanded = offset + pick
         all_tokens, all_scores, all_parents = (torch.cat(x, 1).cpu() for x in (cand_tokens, cand_scores, cand_parents))
         return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], self.num_nodes)
