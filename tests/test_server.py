@@ -1,0 +1,428 @@
+"""`specserve serve` end to end: the real server in a subprocess, driven by the real `openai` client.
+
+Greedy outputs through the server must equal `LLM.generate` for the same prompts; every error is a 4xx
+with an OpenAI error body and the server keeps serving; clients that go away free their KV; SIGTERM lets
+streams end cleanly and the process exit 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from specserve import LLM, SamplingParams  # noqa: E402
+from specserve.assets import default_model_path  # noqa: E402
+
+API_KEY = "test-key"
+MODEL = "tiny"
+PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def", "# a comment about", "return x +",
+           "for i in range(", "while True:", "print(", "x = [", "if __name__ =="]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is pid (read from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+class ServerProcess:
+    """`python -m specserve.cli serve` on a free loopback port, with its log in a file."""
+
+    def __init__(self, log_path, *args: str, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        cmd = [sys.executable, "-m", "specserve.cli", "serve", "--port", str(self.port),
+               "--served-model-name", MODEL, *args] + (["--api-key", api_key] if api_key else [])
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.output()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.output()}")
+
+    def client(self, **kw) -> "openai.OpenAI":
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def async_client(self, **kw) -> "openai.AsyncOpenAI":
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0, **kw)
+
+    def info(self) -> dict:
+        return httpx.get(self.url + "/server_info", headers=self.headers, timeout=5).json()
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM; the exit code. Asserts that the server left no processes behind."""
+        kids = children(self.proc.pid)
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self.log.close()
+        alive = [pid for pid in kids if os.path.exists(f"/proc/{pid}")]
+        assert not alive, f"the server left processes behind: {alive}"
+        return rc
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--tool-call-parser", "hermes",
+                        "--reasoning-parser", "qwen3", api_key=API_KEY)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            rc = srv.stop()
+            assert rc == 0, f"server exited {rc}:\n{srv.output()}"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The same model offline: the oracle for greedy outputs."""
+    return LLM(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def chat_prompt_ids(llm, messages) -> list[int]:
+    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+# ---- serving ------------------------------------------------------------------------------------
+def test_health_models_metrics_and_keys(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # open without a key
+    [card] = client.models.list().data
+    assert card.id == MODEL and card.max_model_len == 1024
+    text = httpx.get(server.url + "/metrics").text  # open without a key
+    for name in ("specserve:num_requests_running", "specserve:kv_cache_usage_perc", "specserve:prompt_tokens_total",
+                 "specserve:generation_tokens_total", "specserve:time_to_first_token_seconds_bucket",
+                 "specserve:inter_token_latency_seconds_bucket", "specserve:e2e_request_latency_seconds_bucket",
+                 "specserve:spec_decode_num_drafts_total", "specserve:spec_decode_num_draft_tokens_total",
+                 "specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_k"):
+        assert name in text, name
+    info = server.info()
+    assert info["config"]["max_model_len"] == 1024 and "avg_spec_accept_length" in info
+    assert info["kv_free_blocks"] == info["kv_total_blocks"] > 0
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server.url + "/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_greedy_completions_and_chat_equal_offline(client, llm):
+    want = llm.generate(PROMPTS[:4], greedy(24))
+    for prompt, ref in zip(PROMPTS[:4], want):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text
+        assert r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 24)
+    # token-id prompts work too
+    r = client.completions.create(model=MODEL, prompt=want[0].prompt_token_ids, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want[0].text
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    [ref] = llm.generate([chat_prompt_ids(llm, messages)], greedy(20))
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=20, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    message = r.choices[0].message
+    assert message.role == "assistant" and message.content == ref.text  # (no <think> from a random model)
+    assert message.tool_calls is None and message.reasoning_content is None
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_streaming_with_usage_equals_non_streamed(client):
+    kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(prompt=PROMPTS[4], **kw)
+    chunks = list(client.completions.create(prompt=PROMPTS[4], stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    whole = client.chat.completions.create(messages=messages, **kw)
+    chunks = list(client.chat.completions.create(messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert content == (whole.choices[0].message.content or "")
+    assert reasoning == (getattr(whole.choices[0].message, "reasoning_content", None) or "")
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings_and_seeds(client, llm):
+    [ref] = llm.generate([PROMPTS[0]], greedy(30))
+    stop = ref.text[6:9]
+    cut = ref.text[:ref.text.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop],
+                                      stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == cut
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+    def sampled(seed):
+        return client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=30, temperature=1.0,
+                                         seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sampled(7) == sampled(7)
+    assert len({sampled(7), sampled(8), sampled(9)}) > 1
+
+
+def test_logprobs(client, llm):
+    [ref] = llm.generate([PROMPTS[2]], greedy(8, logprobs=3))
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+
+
+def test_tools_render_through_the_template(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    for stream in (False, True):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=12,
+                                           temperature=0, stream=stream)
+        chunks = list(r) if stream else [r]
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required")
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    # (path, body or raw bytes, status, error param or None)
+    ("/v1/completions", b'{"prompt": "x", ', 400, None),
+    ("/v1/completions", b'["not", "an", "object"]', 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 1100}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99999},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
+    ("/v1/chat/completions", b"{" + b" " * (5 * 2**20) + b"}", 413, None),
+    ("/v1/nothing", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, timeout=10,
+                   headers={**server.headers, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_still_serving_after_bad_input(server, client):
+    test_bad_input_gets_an_openai_error(server, *BAD_REQUESTS[0])
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- load, disconnects --------------------------------------------------------------------------
+def wait_idle(server, timeout: float = 15) -> dict:
+    """/server_info once nothing is in flight, asserting the KV pool is full again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server.info()
+        if info["num_requests_in_flight"] == 0 and info["kv_free_blocks"] == info["kv_total_blocks"]:
+            return info
+        assert time.monotonic() < deadline, f"KV not freed: {info}"
+        time.sleep(0.1)
+
+
+def test_non_streamed_client_that_leaves_aborts(server):
+    before = server.info()["stats"]["num_generation_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=0.5,
+                   json={"prompt": "x", "max_tokens": 1000, "ignore_eos": True})
+    wait_idle(server, timeout=3)  # well before 1000 tokens could have been generated
+    assert server.info()["stats"]["num_generation_tokens"] - before < 1000
+
+
+def test_load_with_disconnects(server, llm):
+    """200 streams at concurrency 32. Every tenth client asks for 400 tokens and leaves after two chunks:
+    its request must be aborted (far fewer tokens generated) and its KV freed."""
+    lengths = [8 + 2 * (i % 9) for i in range(len(PROMPTS))]
+    want = [o.text for o in llm.generate(PROMPTS, [greedy(n) for n in lengths])]
+    gen_before = metric(httpx.get(server.url + "/metrics").text, "specserve:generation_tokens_total")
+    client = server.async_client(timeout=120)
+    limit = asyncio.Semaphore(32)
+
+    async def one(i: int):
+        p, leaves = i % len(PROMPTS), i % 10 == 0
+        async with limit:
+            stream = await client.completions.create(
+                model=MODEL, prompt=PROMPTS[p], max_tokens=400 if leaves else lengths[p], temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            text, received, usage = "", 0, None
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if chunk.choices:
+                    text += chunk.choices[0].text
+                    received += 1
+                    if leaves and received == 2:
+                        await stream.close()
+                        return "left", received
+            assert text == want[p], (i, text, want[p])
+            return "done", usage.completion_tokens
+
+    async def main():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(200)))
+        finally:
+            await client.close()
+
+    t0 = time.monotonic()
+    results = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    assert sum(kind == "left" for kind, _ in results) == 20
+    wait_idle(server)
+    received = sum(n for _, n in results)
+    generated = metric(httpx.get(server.url + "/metrics").text, "specserve:generation_tokens_total") - gen_before
+    assert received <= generated < received + 20 * 400 / 2, (received, generated)
+    print(f"200 streams at concurrency 32: {elapsed:.1f} s; {received} tokens received, {generated} generated")
+
+
+# ---- shutdown -----------------------------------------------------------------------------------
+def test_sigterm_drains_then_aborts_and_exits_0(tmp_path):
+    """Two running streams (a short one and one far too long to finish) and a queued one; one more is over
+    capacity (429). After SIGTERM new requests get 503, the short and the queued stream finish, the long
+    one is aborted at the shutdown timeout with a final chunk, and the process exits 0."""
+    timeout = 1.5
+    srv = ServerProcess(tmp_path / "server.log", "--max-num-seqs", "2", "--max-queued-requests", "1",
+                        "--shutdown-timeout", str(timeout))
+    try:
+        srv.wait_ready()
+        client = srv.client(timeout=30)
+        lengths = {"short": 60, "long": 1000, "queued": 20}
+        results: dict[str, list] = {}
+
+        def stream(name: str):
+            results[name] = list(client.completions.create(
+                model=MODEL, prompt=PROMPTS[0], max_tokens=lengths[name], temperature=0, stream=True,
+                extra_body={"ignore_eos": True}))
+
+        threads = []
+        for name in lengths:  # in this order, so that "queued" waits for a running slot
+            threads.append(threading.Thread(target=stream, args=(name,)))
+            threads[-1].start()
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while srv.info()["num_requests_in_flight"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError):  # 2 running + 1 queued: the limit
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as refused:  # draining: new requests get 503
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert refused.value.status_code == 503
+        for t in threads:
+            t.join(30)
+        rc = srv.proc.wait(30)
+        took = time.monotonic() - t0
+        assert rc == 0, srv.output()
+        assert took < timeout + 8, took
+        reasons = {name: chunks[-1].choices[0].finish_reason for name, chunks in results.items()}
+        assert reasons == {"short": "length", "long": "abort", "queued": "length"}, (reasons, took)
+        assert sum(len(c.choices[0].text) > 0 for c in results["long"]) > 10
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
