@@ -98,19 +98,23 @@ def dummy_weights(model: nn.Module, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
 
 
+def build(cls, config, dtype: torch.dtype, device: torch.device):
+    """Construct a module with its parameters created directly in dtype on device."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def load_model(folder: str, dtype: torch.dtype, device: torch.device, load_format: str = "safetensors",
                seed: int = 0) -> LlamaForCausalLM:
     arch = ArchConfig.from_dict(read_config(folder))
-    with torch.device(device):
-        torch_default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = LlamaForCausalLM(arch)
-        finally:
-            torch.set_default_dtype(torch_default)
+    model = build(LlamaForCausalLM, arch, dtype, device)
     if load_format == "dummy":
         dummy_weights(model, seed)
     else:
         load_weights(model, iterate_tensors(folder), LlamaForCausalLM.packed_modules)
-    # rotary tables stay fp32
     return model.eval()

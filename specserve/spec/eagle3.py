@@ -22,8 +22,8 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, Repli
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import ArchConfig, read_config
-from ..models.llama import MLP
-from ..models.loader import WeightError, load_weights
+from ..models.llama import MLP, LlamaForCausalLM
+from ..models.loader import WeightError, build, load_weights
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -113,10 +113,7 @@ class Eagle3MidLayer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules = LlamaForCausalLM.packed_modules
 
     def __init__(self, c: Eagle3Config):
         super().__init__()
@@ -174,13 +171,7 @@ def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: tor
     bad = [i for i in c.target_aux_layers(target.num_layers) if not 0 <= i <= target.num_layers]
     if bad:
         raise ValueError(f"draft reads target layer {bad[0]}, the target has {target.num_layers} layers")
-    with torch.device(device):
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = Eagle3Draft(c)
-        finally:
-            torch.set_default_dtype(default)
+    model = build(Eagle3Draft, c, dtype, device)
     tensors = {}
     for name, t in _draft_tensors(folder):
         if name == "t2d":
