@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import build_metadata
