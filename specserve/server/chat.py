@@ -13,7 +13,7 @@ from ..engine.engine import RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
 from .formatting import Formatter, new_logprobs
-from .generation import parse_body, respond, sampling_params
+from .generation import parse_request, respond, sampling_params
 from .parsers import ChatDelta, ChatOutputParser, parse_message
 from .protocol import ChatCompletionRequest
 from .state import ServerState
@@ -105,9 +105,7 @@ def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    engine = state.serving_engine()
-    req = await parse_body(request, ChatCompletionRequest)
-    state.check_model(req.model)
+    engine, req = await parse_request(request, state, ChatCompletionRequest)
     tools = req.wants_tool_calls
     if tools and state.options.tool_call_parser is None:
         raise bad_request("this server parses no tool calls: start it with --tool-call-parser, "

@@ -11,7 +11,7 @@ from ..engine.engine import RequestError, RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
 from .formatting import Formatter, new_logprobs
-from .generation import parse_body, respond, sampling_params
+from .generation import parse_request, respond, sampling_params
 from .protocol import CompletionRequest
 from .state import ServerState
 
@@ -55,9 +55,7 @@ def _choice(text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
-    engine = state.serving_engine()
-    req = await parse_body(request, CompletionRequest)
-    state.check_model(req.model)
+    engine, req = await parse_request(request, state, CompletionRequest)
     try:
         prompt_ids = engine.engine.tokenize(req.prompt)
     except RequestError as e:

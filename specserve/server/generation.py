@@ -22,11 +22,15 @@ Body = TypeVar("Body", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def parse_body(request: Request, model: Type[Body]) -> Body:
+async def parse_request(request: Request, state: ServerState, model: Type[Body]) -> tuple[AsyncEngine, Body]:
+    """The engine, if the server is serving, and the validated body, if it names the served model."""
+    engine = state.serving_engine()
     try:
-        return model.model_validate_json(await request.body())
+        body = model.model_validate_json(await request.body())
     except ValidationError as e:
         raise from_validation_error(e) from None
+    state.check_model(body.model)
+    return engine, body
 
 
 def as_api_error(exc: BaseException) -> APIError:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
 
@@ -24,9 +24,22 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-def _only(value, neutral, what: str):
+# OpenAI fields specserve does not implement: (the one value accepted besides null, why others are refused)
+UNSUPPORTED = {
+    "n": (1, "only n=1 is supported: send separate requests for more choices"),
+    "best_of": (1, "only best_of=1 is supported"),
+    "presence_penalty": (0, "penalties are not supported: only 0 is accepted"),
+    "frequency_penalty": (0, "penalties are not supported: only 0 is accepted"),
+    "logit_bias": ({}, "logit_bias is not supported"),
+    "echo": (False, "echo is not supported"),
+    "suffix": (None, "suffix is not supported"),
+}
+
+
+def _neutral_only(value, info: ValidationInfo):
+    neutral, why = UNSUPPORTED[info.field_name]
     if value is not None and value != neutral:
-        raise ValueError(what)
+        raise ValueError(why)
     return value
 
 
@@ -52,20 +65,7 @@ class SamplingRequest(_Strict):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v):
-        return _only(v, 1, "only n=1 is supported: send separate requests for more choices")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v):
-        return _only(v, 0, "penalties are not supported: only 0 is accepted")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v):
-        return _only(v or None, None, "logit_bias is not supported")
+    _unsupported = field_validator(*UNSUPPORTED, check_fields=False)(_neutral_only)
 
     @property
     def include_usage(self) -> bool:
@@ -104,21 +104,6 @@ class CompletionRequest(SamplingRequest):
         if not v:
             raise ValueError("the prompt is empty")
         return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        return _only(v, False, "echo is not supported")
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, v):
-        return _only(v, None, "suffix is not supported")
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_best(cls, v):
-        return _only(v, 1, "only best_of=1 is supported")
 
 
 class TextPart(_Strict):

@@ -102,8 +102,7 @@ class Lifecycle:
             return
         if self.state.phase is Phase.STARTING:
             self.state.phase = Phase.SERVING
-            log.info("ready: serving %r on http://%s:%d", self.state.model_name, self.state.options.host,
-                     self.state.options.port)
+            log.info("ready: serving %r", self.state.model_name)
         self._watch_task = asyncio.create_task(watch_engine(self.state))
 
     # ---- signals and drain ------------------------------------------------------------------------
@@ -150,7 +149,8 @@ class Lifecycle:
 
 
 def run(engine_config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGTERM or SIGINT. Returns the exit code: 0, or 1 when the model failed to load."""
+    """Serve until SIGTERM or SIGINT. Returns the exit code: 0, or 1 when the model failed to load. A port
+    that cannot be bound exits at once with uvicorn's startup-failure code, 3."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(options, options.served_model_name or engine_config.model.model or DEFAULT_MODEL_NAME)
     lifecycle = Lifecycle(state, engine_config)
@@ -159,5 +159,6 @@ def run(engine_config: EngineConfig, options: ServerOptions) -> int:
                             lifespan="on", access_log=False, timeout_graceful_shutdown=SEND_GRACE_S)
     server = _Server(config, lifecycle.on_signal)
     lifecycle.server = server
-    server.run()
+    sock = config.bind_socket()  # before the model loads, so that a taken port fails at once
+    server.run(sockets=[sock])
     return lifecycle.exit_code
