@@ -378,6 +378,31 @@ def test_load_with_disconnects(server, llm):
     print(f"200 streams at concurrency 32: {elapsed:.1f} s; {received} tokens received, {generated} generated")
 
 
+def test_speculative_serving_is_lossless_and_counted(tmp_path, llm):
+    """With an EAGLE-3 draft (random: it rarely guesses right) greedy output still equals plain decoding,
+    and the speculation counters reach /metrics and /server_info."""
+    from .eagle_utils import make_eagle3_checkpoint
+
+    draft = make_eagle3_checkpoint(str(tmp_path / "draft"), default_model_path())
+    srv = ServerProcess(tmp_path / "server.log", "--model", default_model_path(), "--speculative-algorithm",
+                        "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps", "2")
+    try:
+        srv.wait_ready()
+        [ref] = llm.generate([PROMPTS[3]], greedy(20))
+        r = srv.client().completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text
+        text = httpx.get(srv.url + "/metrics").text
+        drafts = metric(text, "specserve:spec_decode_num_drafts_total")
+        accepted = metric(text, "specserve:spec_decode_num_accepted_tokens_total")
+        assert drafts >= 1 and metric(text, "specserve:spec_decode_num_draft_tokens_total") == 2 * drafts
+        assert metric(text, "specserve:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+        assert 'position="1"' in text and metric(text, "specserve:spec_decode_k") == 2
+        assert srv.info()["avg_spec_accept_length"] == pytest.approx(1 + accepted / drafts)
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 # ---- shutdown -----------------------------------------------------------------------------------
 def test_sigterm_drains_then_aborts_and_exits_0(tmp_path):
     """One running stream and two queued ones fill the server (a fourth request gets 429). After SIGTERM
