@@ -7,6 +7,7 @@ from typing import AsyncIterator, Optional, Type, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ValidationError
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
@@ -76,8 +77,11 @@ async def respond(request: Request, state: ServerState, req: SamplingRequest, pr
     """Submit the request and answer: a stream of chunks, or one body once it finishes."""
     stream = state.requests.submit(prompt_ids, params, fmt.id)
     if req.stream:
+        async def close() -> None:  # also when the client leaves before the body starts
+            stream.close()
+
         return StreamingResponse(_events(stream, fmt, req.include_usage), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+                                 headers=SSE_HEADERS, background=BackgroundTask(close))
     out = await _finished_or_disconnected(request, stream)
     if out is None:
         return Response(status_code=499)  # nobody is listening
