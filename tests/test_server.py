@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from specserve import LLM, SamplingParams  # noqa: E402
-from specserve.assets import default_model_path  # noqa: E402
+from specserve.assets import make_tiny_checkpoint  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -105,8 +105,16 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--model", default_model_path(),
+def model(tmp_path_factory) -> str:
+    """A tiny random Llama with a BPE tokenizer and a ChatML template (max_model_len 1024)."""
+    path = str(tmp_path_factory.mktemp("model") / "tiny")
+    make_tiny_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model):
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--model", model,
                         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", api_key=API_KEY)
     try:
         srv.wait_ready()
@@ -118,9 +126,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(model):
     """The same model offline: the oracle for greedy outputs."""
-    return LLM(default_model_path())
+    return LLM(model)
 
 
 @pytest.fixture(scope="module")
@@ -378,13 +386,13 @@ def test_load_with_disconnects(server, llm):
     print(f"200 streams at concurrency 32: {elapsed:.1f} s; {received} tokens received, {generated} generated")
 
 
-def test_speculative_serving_is_lossless_and_counted(tmp_path, llm):
+def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
     """With an EAGLE-3 draft (random: it rarely guesses right) greedy output still equals plain decoding,
     and the speculation counters reach /metrics and /server_info."""
     from .eagle_utils import make_eagle3_checkpoint
 
-    draft = make_eagle3_checkpoint(str(tmp_path / "draft"), default_model_path())
-    srv = ServerProcess(tmp_path / "server.log", "--model", default_model_path(), "--speculative-algorithm",
+    draft = make_eagle3_checkpoint(str(tmp_path / "draft"), model)
+    srv = ServerProcess(tmp_path / "server.log", "--model", model, "--speculative-algorithm",
                         "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps", "2")
     try:
         srv.wait_ready()
@@ -404,13 +412,13 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, llm):
 
 
 # ---- shutdown -----------------------------------------------------------------------------------
-def test_sigterm_drains_then_aborts_and_exits_0(tmp_path):
+def test_sigterm_drains_then_aborts_and_exits_0(tmp_path, model):
     """One running stream and two queued ones fill the server (a fourth request gets 429). After SIGTERM
     new requests get 503; the running client leaves, so the first queued stream runs and finishes; the
     second cannot produce its 1000 tokens before the shutdown timeout and is aborted with a final chunk;
     the process exits 0."""
     timeout = 1.0
-    srv = ServerProcess(tmp_path / "server.log", "--model", default_model_path(), "--max-num-seqs", "1",
+    srv = ServerProcess(tmp_path / "server.log", "--model", model, "--max-num-seqs", "1",
                         "--max-queued-requests", "2", "--shutdown-timeout", str(timeout))
     try:
         srv.wait_ready()

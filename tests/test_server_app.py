@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 
+from specserve.assets import make_tiny_checkpoint  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.async_engine import AsyncEngine  # noqa: E402
 from specserve.server.app import build_app  # noqa: E402
@@ -44,8 +45,9 @@ def test_while_starting_everything_but_metrics_is_503():
     assert metrics.status_code == 200
 
 
-def test_a_stopped_engine_fails_requests_with_500():
-    engine = AsyncEngine(EngineConfig.from_options())
+def test_a_stopped_engine_fails_requests_with_500(tmp_path):
+    make_tiny_checkpoint(str(tmp_path / "tiny"))
+    engine = AsyncEngine(EngineConfig.from_options(model=str(tmp_path / "tiny")))
     state = ServerState(ServerOptions(), "m")
     state.attach(engine)
     app = build_app(state)
