@@ -1,7 +1,6 @@
 """Shared fixtures: tiny random Hugging Face checkpoints made with transformers (the parity oracle)."""
 from __future__ import annotations
 
-import gc
 import os
 import random
 
@@ -97,12 +96,6 @@ def assert_pool_full(llm) -> None:
     assert not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
     assert all(c == 0 for c in engine.blocks.ref_counts)
-
-
-@pytest.fixture(autouse=True)
-def _collect():
-    yield
-    gc.collect()
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
