@@ -120,6 +120,82 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_command(sub) -> None:
+    """`specserve bench`: a concurrency sweep against any OpenAI-compatible server (specserve.bench)."""
+    from .bench.options import add_sweep_args
+
+    b = sub.add_parser("bench", help="measure a running OpenAI-compatible server over a concurrency sweep")
+    b.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    add_sweep_args(b)
+    b.add_argument("--out", help="write the results (levels and per-request records) to this JSON file")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .bench.client import BenchError
+    from .bench.options import sweep_options
+    from .bench.report import print_levels, write_json
+    from .bench.runner import run_sweep
+
+    try:
+        result = asyncio.run(run_sweep(args.base_url, sweep_options(args)))
+    except BenchError as e:
+        print(f"specserve bench: error: {e}", file=sys.stderr)
+        return 1
+    print_levels(result["levels"], title=f"{result['model']} at {args.base_url}")
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+def add_compare_command(sub) -> None:
+    """`specserve compare`: start a server per configuration and run the same sweep against each."""
+    from .bench.options import add_sweep_args
+
+    c = sub.add_parser("compare", help="run the bench sweep against one specserve server per configuration")
+    c.add_argument("--config", action="append", default=[], metavar="NAME='FLAGS'",
+                   help="a configuration: `specserve serve` flags (repeatable; default: plain, chain, adaptive "
+                        "on the default model, with a sweep sized for a small CPU)")
+    c.add_argument("--model", dest="server_model", help="model folder every server loads (default: the shipped one)")
+    add_sweep_args(c, model_name=False)
+    c.add_argument("--plot", help="write a PNG of output tokens/s against concurrency")
+    c.add_argument("--markdown", help="write the side-by-side table as markdown")
+    c.add_argument("--out", help="write every configuration's results to this JSON file")
+    c.add_argument("--startup-timeout", type=float, default=300, help="seconds a server may take to load (300)")
+    c.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
+    c.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .bench import compare
+    from .bench.options import sweep_options
+    from .bench.report import write_json
+
+    configs = [compare.Configuration.parse(text) for text in args.config] or list(compare.DEFAULT_CONFIGURATIONS)
+    options = sweep_options(args, base=compare.SMALL_CPU_SWEEP) if not args.config else sweep_options(args)
+    try:
+        result = compare.run_compare(configs, options, args.server_model, args.log_dir, args.startup_timeout)
+    except KeyboardInterrupt:
+        print("specserve compare: interrupted (the running server was stopped)", file=sys.stderr)
+        return 130
+    console = Console()
+    console.print(compare.comparison_table(result))
+    for line in compare.not_run(result):
+        console.print(f"not run: {line}", markup=False)
+    if args.out:
+        write_json(args.out, result)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(compare.comparison_markdown(result))
+    if args.plot:
+        compare.plot_throughput(result, args.plot)
+    return 0 if any(c["result"] for c in result["configurations"]) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_serve_command(sub)
     add_train_draft_command(sub)
+    add_bench_command(sub)
+    add_compare_command(sub)
     return parser
 
 

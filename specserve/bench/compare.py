@@ -1,0 +1,206 @@
+"""`specserve compare`: the same sweep against one server per configuration, side by side.
+
+Each configuration is a set of `specserve serve` flags. Its server starts on a free port in its own process
+group, the sweep runs once /health is 200, and the server is stopped (SIGTERM, then SIGKILL of the group)
+however the sweep ends. A configuration whose server cannot start is reported and the others still run.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..assets import default_draft_path
+from .report import print_levels
+from .runner import SweepOptions, run_sweep
+from .server_process import ServerProcess, ServerStartError
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    flags: str  # `specserve serve` flags, shell-quoted
+
+    @property
+    def args(self) -> list[str]:
+        return shlex.split(self.flags)
+
+    @classmethod
+    def parse(cls, text: str) -> "Configuration":
+        """NAME=FLAGS, e.g. "chain=--speculative-algorithm EAGLE3 --speculative-num-steps 3"."""
+        name, sep, flags = text.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"a configuration is NAME='FLAGS', got {text!r}")
+        shlex.split(flags)  # unbalanced quotes fail here, before any server starts
+        return cls(name.strip(), flags.strip())
+
+
+# What `specserve compare` runs when no --config is given: edit here to change the default comparison.
+DEFAULT_CONFIGURATIONS = (
+    Configuration("plain", ""),
+    Configuration("chain", "--speculative-algorithm EAGLE3 --speculative-num-steps 3"),
+    Configuration("adaptive", "--speculative-algorithm EAGLE3 --speculative-policy adaptive"),
+)
+# The sweep those defaults use, sized for a small CPU.
+SMALL_CPU_SWEEP = SweepOptions(concurrency=(1, 2, 5, 10), requests_per_level=10, max_tokens=64, warmup=2)
+
+
+def skip_reason(config: Configuration, model: Optional[str]) -> Optional[str]:
+    """Why `config` cannot run here: speculation on the default model without the shipped drafter."""
+    args = config.args
+    uses_default_draft = (model is None and "--speculative-algorithm" in args
+                          and not any(a.startswith("--speculative-draft-model-path") for a in args))
+    if uses_default_draft and default_draft_path() is None:
+        return ("the shipped default EAGLE-3 drafter (specserve/assets/default/eagle3) is missing: "
+                "pass --speculative-draft-model-path in the configuration")
+    return None
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises KeyboardInterrupt, like Ctrl-C, so that cleanup code runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_configuration(config: Configuration, options: SweepOptions, model: Optional[str], log_dir: str,
+                      startup_timeout: float, console: Console) -> dict:
+    """Start the configuration's server, run the sweep, stop the server; the configuration's record:
+    name, flags, status (ok / skipped / failed), error, server pid and log, and the sweep's result."""
+    record = {"name": config.name, "flags": config.flags, "status": "skipped", "error": skip_reason(config, model),
+              "pid": None, "log": None, "result": None}
+    if record["error"]:
+        console.print(Text(f"{config.name}: skipped: {record['error']}", style="yellow"))
+        return record
+    args = (["--model", model] if model else []) + config.args
+    log_path = os.path.join(log_dir, f"{_file_name(config.name)}.log")
+    server = ServerProcess(args, log_path)
+    record.update(pid=server.pid, log=log_path)
+    console.print(f"{config.name}: started server pid {server.pid} on {server.url} (log: {log_path})")
+    try:
+        server.wait_ready(startup_timeout)
+        record["result"] = asyncio.run(run_sweep(server.url, options, console, title=config.name))
+        record.update(status="ok", error=None)
+    except ServerStartError as e:
+        record.update(status="failed", error=str(e))
+        console.print(Text(f"{config.name}: {e}", style="red"))
+    finally:
+        server.stop()
+        console.print(f"{config.name}: server pid {server.pid} stopped")
+    return record
+
+
+def _file_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "config"
+
+
+def run_compare(configs: list[Configuration], options: SweepOptions, model: Optional[str] = None,
+                log_dir: Optional[str] = None, startup_timeout: float = 300,
+                console: Optional[Console] = None) -> dict:
+    """Run every configuration in turn (SIGTERM and Ctrl-C stop the running server before they end this).
+    The result: {"options", "model", "configurations": [record per configuration]}."""
+    console = console or Console(stderr=True)
+    log_dir = log_dir or tempfile.mkdtemp(prefix="specserve-compare-")
+    records = []
+    with sigterm_as_interrupt():
+        for config in configs:
+            records.append(run_configuration(config, options, model, log_dir, startup_timeout, console))
+            if records[-1]["result"]:
+                print_levels(records[-1]["result"]["levels"], title=config.name, console=console)
+    return {"options": options.record(), "model": model, "configurations": records}
+
+
+# ---- the side-by-side view ----------------------------------------------------------------------------
+def throughput_rows(comparison: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: output tokens/s per concurrency level for each configuration that ran, then the
+    ratio of each later configuration to the first."""
+    ran = [c for c in comparison["configurations"] if c["result"]]
+    per_config = [{lv["concurrency"]: lv["output_throughput"] for lv in c["result"]["levels"]} for c in ran]
+    levels = sorted({level for table in per_config for level in table})
+    header = ["concurrency"] + [f"{c['name']} tok/s" for c in ran]
+    header += [f"{c['name']} / {ran[0]['name']}" for c in ran[1:]]
+    rows = []
+    for level in levels:
+        values = [table.get(level) for table in per_config]
+        ratios = [_ratio(v, values[0]) for v in values[1:]]
+        rows.append([str(level)] + [_fmt(v, 1) for v in values] + [_fmt(r, 2) for r in ratios])
+    return header, rows
+
+
+def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:
+    return value / base if value is not None and base else None
+
+
+def _fmt(value: Optional[float], digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def not_run(comparison: dict) -> list[str]:
+    """A line for each configuration that did not run, saying why."""
+    return [f"{c['name']} ({c['status']}): {c['error'].splitlines()[0]}"
+            for c in comparison["configurations"] if not c["result"]]
+
+
+def comparison_table(comparison: dict) -> Table:
+    header, rows = throughput_rows(comparison)
+    table = Table(title="output tokens/s")
+    for column in header:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def comparison_markdown(comparison: dict) -> str:
+    header, rows = throughput_rows(comparison)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", "Configurations (`specserve serve` flags):", ""]
+    lines += [f"- {c['name']}: `{c['flags'] or '(none)'}`" + ("" if c["result"] else f" ({c['status']})")
+              for c in comparison["configurations"]]
+    missing = not_run(comparison)
+    if missing:
+        lines += ["", "Not run:", ""] + [f"- {line}" for line in missing]
+    return "\n".join(lines) + "\n"
+
+
+def plot_throughput(comparison: dict, path: str) -> None:
+    """A PNG of output tokens/s against concurrency (log x), one line per configuration that ran."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), dpi=120)
+    ax = fig.subplots()
+    for c in comparison["configurations"]:
+        if c["result"]:
+            levels = c["result"]["levels"]
+            ax.plot([lv["concurrency"] for lv in levels], [lv["output_throughput"] for lv in levels], marker="o",
+                    label=c["name"])
+    ax.set_xscale("log")
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("specserve compare")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,92 @@
+"""Level statistics with vLLM's key names (`vllm bench serve`), the terminal table, and the JSON file.
+
+Per level: throughputs over the level's wall time; TTFT, TPOT (= (latency - ttft) / (output tokens - 1)),
+ITL (gaps between content chunks) and end-to-end latency in ms as mean, median and p99; completed and
+failed counts. Only completed requests count towards tokens and latencies.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable, Optional
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from .client import RequestResult
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+
+
+def _stats(name: str, values_s: list[float]) -> dict:
+    """mean_/median_/p99_{name}_ms from values in seconds (0 when there are none, as vLLM reports)."""
+    ms = np.asarray(values_s, dtype=float) * 1000 if values_s else np.zeros(1)
+    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+            f"p99_{name}_ms": float(np.percentile(ms, 99))}
+
+
+def _tpot(r: RequestResult) -> Optional[float]:
+    if r.output_tokens > 1 and r.ttft is not None:
+        return (r.latency - r.ttft) / (r.output_tokens - 1)
+    return None
+
+
+def summarize_level(results: list[RequestResult], duration: float, concurrency: int,
+                    request_rate: Optional[float], accept_length: Optional[float]) -> dict:
+    """One level's JSON: the statistics, then the per-request records under "requests"."""
+    done = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done)
+    level = {
+        "concurrency": concurrency,
+        "request_rate": request_rate if request_rate is not None else "inf",
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "total_input_tokens": prompt,
+        "total_output_tokens": output,
+        "request_throughput": len(done) / duration if duration > 0 else 0.0,
+        "output_throughput": output / duration if duration > 0 else 0.0,
+        "total_token_throughput": (prompt + output) / duration if duration > 0 else 0.0,
+    }
+    level.update(_stats("ttft", [r.ttft for r in done if r.ttft is not None]))
+    level.update(_stats("tpot", [t for t in map(_tpot, done) if t is not None]))
+    level.update(_stats("itl", [gap for r in done for gap in r.itl]))
+    level.update(_stats("e2el", [r.latency for r in done]))
+    level["mean_accept_length"] = accept_length
+    level["errors"] = sorted({r.error for r in results if r.error})[:10]  # distinct, a few
+    level["requests"] = [r.record() for r in results]
+    return level
+
+
+def _num(value: Optional[float], digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def level_table(levels: Iterable[dict], title: str = "") -> Table:
+    """The terminal table: one row a level; latencies in ms, means unless marked p99."""
+    table = Table(title=title or None, caption="latencies in ms")
+    for column in ("C", "ok", "fail", "out tok/s", "total tok/s", "req/s", "TTFT", "TTFT p99", "TPOT", "ITL",
+                   "E2E", "E2E p99", "accept"):
+        table.add_column(column, justify="right")
+    for lv in levels:
+        table.add_row(str(lv["concurrency"]), str(lv["completed"]), str(lv["failed"]),
+                      _num(lv["output_throughput"]), _num(lv["total_token_throughput"]),
+                      _num(lv["request_throughput"], 2), _num(lv["mean_ttft_ms"]), _num(lv["p99_ttft_ms"]),
+                      _num(lv["mean_tpot_ms"]), _num(lv["mean_itl_ms"]), _num(lv["mean_e2el_ms"]),
+                      _num(lv["p99_e2el_ms"]), _num(lv["mean_accept_length"], 2))
+    return table
+
+
+def print_levels(levels: list[dict], title: str = "", console: Optional[Console] = None) -> None:
+    console = console or Console()
+    console.print(level_table(levels, title))
+    for lv in levels:
+        for error in lv["errors"]:
+            console.print(f"[red]concurrency {lv['concurrency']}: {error}[/red]")
+
+
+def write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
