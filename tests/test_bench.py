@@ -1,0 +1,230 @@
+"""`specserve bench` and `specserve compare` against real servers on a tiny model.
+
+The bench's numbers must be what the server really returned: per-request token counts equal a direct
+request's usage, totals are sums of the records, throughput is tokens over the level's wall time. A server
+that dies mid-run gives failures, never tokens or a crash. `compare` runs each configuration's server,
+writes its table and plot, and leaves no process behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from specserve.assets import make_tiny_checkpoint  # noqa: E402
+from specserve.bench import compare  # noqa: E402
+from specserve.bench.client import acceptance_length, parse_spec_counters  # noqa: E402
+from specserve.bench.datasets import builtin, load_dataset  # noqa: E402
+from specserve.bench.server_process import ServerProcess  # noqa: E402
+from specserve.cli import main  # noqa: E402
+
+MODEL = "tiny"
+KV = "--num-kv-blocks 256"  # plenty here, and quicker to allocate than the default 1 GiB
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("model") / "tiny")
+    make_tiny_checkpoint(path)
+    return path
+
+
+def start_server(model: str, log_path) -> ServerProcess:
+    server = ServerProcess(["--model", model, "--served-model-name", MODEL, *KV.split()], log_path)
+    try:
+        server.wait_ready(120)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model):
+    srv = start_server(model, tmp_path_factory.mktemp("server") / "server.log")
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.tail()
+
+
+def bench(tmp_path, url: str, *flags: str) -> dict:
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base-url", url, "--out", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def check_totals(level: dict) -> None:
+    """Totals are sums over completed requests; throughputs are those totals over the level's duration."""
+    done = [r for r in level["requests"] if r["ok"]]
+    assert level["completed"] == len(done) and level["failed"] == len(level["requests"]) - len(done)
+    assert level["total_output_tokens"] == sum(r["output_tokens"] for r in done)
+    assert level["total_input_tokens"] == sum(r["prompt_tokens"] for r in done)
+    duration = level["duration"]
+    assert level["output_throughput"] == pytest.approx(level["total_output_tokens"] / duration, rel=1e-9)
+    assert level["total_token_throughput"] == pytest.approx(
+        (level["total_input_tokens"] + level["total_output_tokens"]) / duration, rel=1e-9)
+    assert level["request_throughput"] == pytest.approx(len(done) / duration, rel=1e-9)
+    assert all(r["output_tokens"] == r["prompt_tokens"] == 0 for r in level["requests"] if not r["ok"])
+
+
+# ---- bench against a live server ------------------------------------------------------------------
+def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
+    result = bench(tmp_path, server.url, "--concurrency", "1,3", "--requests-per-level", "6", "--max-tokens", "8",
+                   "--warmup", "1", "--ignore-eos")
+    assert result["model"] == MODEL and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    prompts = builtin()
+    for level in result["levels"]:
+        assert (level["completed"], level["failed"]) == (6, 0), level["errors"]
+        check_totals(level)
+        assert level["mean_accept_length"] is None  # no speculation on this server
+        assert 0 < level["mean_ttft_ms"] <= level["mean_e2el_ms"] and level["p99_itl_ms"] > 0
+        for record in level["requests"]:
+            r = client.completions.create(model=MODEL, prompt=prompts[record["prompt_index"]].text, max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+            assert (record["output_tokens"], record["prompt_tokens"]) == (r.usage.completion_tokens,
+                                                                          r.usage.prompt_tokens) == (8, r.usage.prompt_tokens)
+            assert 0 < record["ttft"] <= record["latency"] and len(record["itl"]) <= 7
+
+
+def test_bench_chat_counts_tokens_like_the_server(tmp_path, server):
+    """Chat messages, no ignore_eos: the counts still equal a direct request's usage."""
+    result = bench(tmp_path, server.url, "--endpoint", "chat", "--concurrency", "2", "--requests-per-level", "4",
+                   "--max-tokens", "12", "--warmup", "0", "--seed", "3")
+    [level] = result["levels"]
+    assert (level["completed"], level["failed"]) == (4, 0), level["errors"]
+    check_totals(level)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    for record in level["requests"]:
+        messages = builtin()[record["prompt_index"]].chat_messages()
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0)
+        assert (record["output_tokens"], record["prompt_tokens"]) == (r.usage.completion_tokens, r.usage.prompt_tokens)
+
+
+def test_a_server_that_dies_mid_run_gives_failures(tmp_path, model):
+    srv = start_server(model, tmp_path / "dying.log")
+    killed = threading.Event()
+
+    def kill_after_a_few_completions():
+        while srv.proc.poll() is None:
+            try:
+                text = httpx.get(srv.url + "/metrics", timeout=2).text
+            except httpx.HTTPError:
+                break
+            done = sum(float(v) for v in re.findall(r"^specserve:request_success_total{[^}]*} (\S+)$", text, re.M))
+            if done >= 5:  # the server's warm-up, the bench's warm-up, three of the level's requests
+                srv.proc.kill()
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_a_few_completions)
+    killer.start()
+    try:
+        result = bench(tmp_path, srv.url, "--concurrency", "2", "--requests-per-level", "40", "--max-tokens", "32",
+                       "--warmup", "1", "--ignore-eos")
+    finally:
+        killer.join(30)
+        srv.stop()
+    assert killed.is_set()
+    [level] = result["levels"]
+    check_totals(level)
+    assert level["failed"] > 0 and level["completed"] >= 1 and level["completed"] + level["failed"] == 40
+    assert all(r["error"] for r in level["requests"] if not r["ok"]) and level["errors"]
+    assert level["mean_accept_length"] is None  # /metrics is gone after the level
+
+
+# ---- compare ----------------------------------------------------------------------------------------
+def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, model):
+    out, md, png = tmp_path / "compare.json", tmp_path / "compare.md", tmp_path / "compare.png"
+    rc = main(["compare", "--config", f"plain={KV}", "--config", f"two={KV} --max-num-seqs 2", "--config", "bad=--no-such-flag",
+               "--model", model, "--concurrency", "1,2", "--requests-per-level", "3", "--max-tokens", "4",
+               "--warmup", "0", "--out", str(out), "--markdown", str(md), "--plot", str(png),
+               "--log-dir", str(tmp_path)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    plain, two, bad = result["configurations"]
+    assert (plain["status"], two["status"], bad["status"]) == ("ok", "ok", "failed")
+    assert "exited with code 2" in bad["error"] and "--no-such-flag" in bad["error"]
+    for c in (plain, two):
+        assert [lv["completed"] for lv in c["result"]["levels"]] == [3, 3]
+    pids = [c["pid"] for c in result["configurations"]]
+    assert len(set(pids)) == 3
+    for pid in pids:  # each server led its own process group: neither it nor any member is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+    text = md.read_text()
+    assert "| concurrency | plain tok/s | two tok/s | two / plain |" in text and "bad (failed)" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_speculative_configurations_need_the_shipped_drafter(monkeypatch):
+    plain, chain, adaptive = compare.DEFAULT_CONFIGURATIONS
+    monkeypatch.setattr(compare, "default_draft_path", lambda: None)
+    assert compare.skip_reason(plain, None) is None
+    assert "drafter" in compare.skip_reason(chain, None) and "drafter" in compare.skip_reason(adaptive, None)
+    assert compare.skip_reason(chain, "some/model") is None  # another model: its server says what is missing
+    monkeypatch.setattr(compare, "default_draft_path", lambda: "shipped/eagle3")
+    assert compare.skip_reason(chain, None) is None
+
+
+def test_configuration_parsing():
+    c = compare.Configuration.parse("chain=--speculative-algorithm EAGLE3 --speculative-num-steps '3'")
+    assert c.name == "chain" and c.args == ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3"]
+    assert compare.Configuration.parse("plain=").args == []
+    with pytest.raises(ValueError, match="NAME='FLAGS'"):
+        compare.Configuration.parse("--max-num-seqs 2")
+
+
+# ---- pieces -----------------------------------------------------------------------------------------
+METRICS = """# HELP specserve:spec_decode_num_drafts_total Speculative verifies
+specserve:spec_decode_num_drafts_total{model_name="m"} 10.0
+specserve:spec_decode_num_accepted_tokens_total{model_name="m"} 15.0
+specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0
+"""
+
+
+def test_acceptance_length_from_metrics_deltas():
+    before = parse_spec_counters(METRICS)
+    assert before == (10.0, 15.0)
+    after = parse_spec_counters(METRICS.replace("10.0", "30.0").replace("15.0", "45.0"))
+    assert acceptance_length(before, after) == pytest.approx(1 + 30 / 20)
+    assert acceptance_length(before, before) is None  # no drafts in the interval
+    vllm = 'vllm:spec_decode_num_drafts_total{engine="0"} 4\nvllm:spec_decode_num_accepted_tokens_total{engine="0"} 6\n'
+    assert parse_spec_counters(vllm) == (4.0, 6.0)
+    assert parse_spec_counters("specserve:num_requests_running 0\n") is None
+
+
+def test_datasets(tmp_path):
+    assert 40 <= len(builtin()) <= 60 and len({p.text for p in builtin()}) == len(builtin())
+    sharegpt = tmp_path / "sg.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "Sort a list."}, {"from": "gpt", "value": "sorted(xs)"}]},
+        {"conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]))
+    [p] = load_dataset(f"sharegpt:{sharegpt}")
+    assert p.text == "Sort a list." and p.chat_messages() == [{"role": "user", "content": "Sort a list."}]
+    rows = tmp_path / "p.jsonl"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse a string."}]
+    rows.write_text(json.dumps({"prompt": "def f():"}) + "\n\n" + json.dumps({"messages": messages}) + "\n")
+    a, b = load_dataset(f"jsonl:{rows}")
+    assert a.text == "def f():" and b.text == "Reverse a string." and b.chat_messages() == messages
+    rand = load_dataset("random", seed=1)
+    assert rand == load_dataset("random", seed=1) and rand != load_dataset("random", seed=2)
+    for bad in ("nope", "jsonl:", "builtin:x"):
+        with pytest.raises(ValueError, match="unknown dataset"):
+            load_dataset(bad)
+    rows.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1"):
+        load_dataset(f"jsonl:{rows}")
