@@ -7,6 +7,7 @@ writes its table and plot, and leaves no process behind.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -21,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from specserve.assets import make_tiny_checkpoint  # noqa: E402
 from specserve.bench import compare  # noqa: E402
-from specserve.bench.client import acceptance_length, parse_spec_counters  # noqa: E402
+from specserve.bench.client import Endpoint, acceptance_length, parse_spec_counters, send_request  # noqa: E402
 from specserve.bench.datasets import builtin, load_dataset  # noqa: E402
 from specserve.bench.server_process import ServerProcess  # noqa: E402
 from specserve.cli import main  # noqa: E402
@@ -91,8 +92,8 @@ def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
         for record in level["requests"]:
             r = client.completions.create(model=MODEL, prompt=prompts[record["prompt_index"]].text, max_tokens=8,
                                           temperature=0, extra_body={"ignore_eos": True})
-            assert (record["output_tokens"], record["prompt_tokens"]) == (r.usage.completion_tokens,
-                                                                          r.usage.prompt_tokens) == (8, r.usage.prompt_tokens)
+            assert r.usage.completion_tokens == 8
+            assert (record["output_tokens"], record["prompt_tokens"]) == (8, r.usage.prompt_tokens)
             assert 0 < record["ttft"] <= record["latency"] and len(record["itl"]) <= 7
 
 
@@ -107,7 +108,8 @@ def test_bench_chat_counts_tokens_like_the_server(tmp_path, server):
     for record in level["requests"]:
         messages = builtin()[record["prompt_index"]].chat_messages()
         r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0)
-        assert (record["output_tokens"], record["prompt_tokens"]) == (r.usage.completion_tokens, r.usage.prompt_tokens)
+        usage = r.usage
+        assert (record["output_tokens"], record["prompt_tokens"]) == (usage.completion_tokens, usage.prompt_tokens)
 
 
 def test_a_server_that_dies_mid_run_gives_failures(tmp_path, model):
@@ -145,18 +147,29 @@ def test_a_server_that_dies_mid_run_gives_failures(tmp_path, model):
 
 # ---- compare ----------------------------------------------------------------------------------------
 def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, model):
+    """Plain, speculative (a random EAGLE-3 draft: acceptance is measured, not good) and one whose server
+    cannot start: the first two run, the third is reported, and no server process is left."""
+    from .eagle_utils import make_eagle3_checkpoint
+
+    draft = make_eagle3_checkpoint(str(tmp_path / "draft"), model)
+    spec_flags = f"{KV} --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} " \
+                 "--speculative-num-steps 2"
     out, md, png = tmp_path / "compare.json", tmp_path / "compare.md", tmp_path / "compare.png"
-    rc = main(["compare", "--config", f"plain={KV}", "--config", f"two={KV} --max-num-seqs 2", "--config", "bad=--no-such-flag",
-               "--model", model, "--concurrency", "1,2", "--requests-per-level", "3", "--max-tokens", "4",
-               "--warmup", "0", "--out", str(out), "--markdown", str(md), "--plot", str(png),
+    rc = main(["compare", "--config", f"plain={KV}", "--config", f"spec={spec_flags}",
+               "--config", "bad=--no-such-flag",
+               "--model", model, "--concurrency", "1,2", "--requests-per-level", "3", "--max-tokens", "6",
+               "--warmup", "0", "--ignore-eos", "--out", str(out), "--markdown", str(md), "--plot", str(png),
                "--log-dir", str(tmp_path)])
     assert rc == 0
     result = json.loads(out.read_text())
-    plain, two, bad = result["configurations"]
-    assert (plain["status"], two["status"], bad["status"]) == ("ok", "ok", "failed")
+    plain, spec, bad = result["configurations"]
+    assert (plain["status"], spec["status"], bad["status"]) == ("ok", "ok", "failed")
     assert "exited with code 2" in bad["error"] and "--no-such-flag" in bad["error"]
-    for c in (plain, two):
+    for c in (plain, spec):
         assert [lv["completed"] for lv in c["result"]["levels"]] == [3, 3]
+        assert [lv["total_output_tokens"] for lv in c["result"]["levels"]] == [18, 18]
+    assert all(lv["mean_accept_length"] is None for lv in plain["result"]["levels"])
+    assert all(1 <= lv["mean_accept_length"] <= 3 for lv in spec["result"]["levels"])
     pids = [c["pid"] for c in result["configurations"]]
     assert len(set(pids)) == 3
     for pid in pids:  # each server led its own process group: neither it nor any member is left
@@ -165,7 +178,7 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
     text = md.read_text()
-    assert "| concurrency | plain tok/s | two tok/s | two / plain |" in text and "bad (failed)" in text
+    assert "| concurrency | plain tok/s | spec tok/s | spec / plain |" in text and "bad (failed)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -201,9 +214,46 @@ def test_acceptance_length_from_metrics_deltas():
     after = parse_spec_counters(METRICS.replace("10.0", "30.0").replace("15.0", "45.0"))
     assert acceptance_length(before, after) == pytest.approx(1 + 30 / 20)
     assert acceptance_length(before, before) is None  # no drafts in the interval
-    vllm = 'vllm:spec_decode_num_drafts_total{engine="0"} 4\nvllm:spec_decode_num_accepted_tokens_total{engine="0"} 6\n'
+    vllm = ('vllm:spec_decode_num_drafts_total{engine="0"} 4\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 6\n')
     assert parse_spec_counters(vllm) == (4.0, 6.0)
     assert parse_spec_counters("specserve:num_requests_running 0\n") is None
+
+
+def sse_body(*events) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def chunk(text: str, finish_reason=None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}}
+STREAMS = [  # (SSE body, status, ok, output tokens, error fragment)
+    (sse_body(chunk("a"), chunk("bc"), chunk("d", "length"), USAGE, "[DONE]"), 200, True, 7, None),
+    (sse_body(chunk("a"), chunk("bc"), chunk("d", "stop"), "[DONE]"), 200, True, 3, None),  # no usage: chunks
+    (sse_body(chunk("a"), chunk("b")), 200, False, 0, "without [DONE]"),
+    (sse_body(chunk("a"), chunk("", "abort"), USAGE, "[DONE]"), 200, False, 0, "aborted"),
+    (sse_body(chunk("a"), {"error": {"message": "engine died"}}, "[DONE]"), 200, False, 0, "engine died"),
+    (sse_body("not json"), 200, False, 0, "bad SSE event"),
+    (json.dumps({"error": {"message": "too many"}}).encode(), 429, False, 0, "HTTP 429: too many"),
+]
+
+
+@pytest.mark.parametrize("body, status, ok, tokens, error", STREAMS)
+def test_stream_outcomes(body, status, ok, tokens, error):
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    endpoint = Endpoint("http://bench.invalid", "completions", "m", max_tokens=7)
+
+    async def run():
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await send_request(client, endpoint, builtin()[0], 0)
+
+    r = asyncio.run(run())
+    assert (r.ok, r.output_tokens) == (ok, tokens)
+    assert (r.error is None) if ok else (error in r.error)
+    if ok:
+        assert r.ttft is not None and len(r.itl) == 2 and r.prompt_tokens == (5 if tokens == 7 else 0)
 
 
 def test_datasets(tmp_path):

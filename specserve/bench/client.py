@@ -20,6 +20,7 @@ from .datasets import Prompt
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SPEC_PREFIXES = ("specserve", "vllm")  # whose spec_decode counters /metrics may carry, preferred first
+SpecCounters = tuple[float, float]  # (drafts, accepted tokens) since the server started
 
 
 class BenchError(RuntimeError):
@@ -106,12 +107,17 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
         if data == "[DONE]":
             if finish_reason == "abort":
                 return "the server aborted the request"
-            result.output_tokens = usage["completion_tokens"] if usage else chunks
-            result.prompt_tokens = usage.get("prompt_tokens", 0) if usage else 0
+            usage = usage or {}
+            result.output_tokens = usage.get("completion_tokens", chunks)
+            result.prompt_tokens = usage.get("prompt_tokens", 0)
+            if result.ttft is None and result.output_tokens:  # tokens with no visible text (special tokens)
+                result.ttft = time.perf_counter() - start
             return None
         try:
             event = json.loads(data)
         except json.JSONDecodeError:
+            event = None
+        if not isinstance(event, dict):
             return f"bad SSE event: {data[:200]!r}"
         if "error" in event:
             return f"error event: {_error_message(json.dumps(event).encode())}"
@@ -159,7 +165,7 @@ async def served_model(client: httpx.AsyncClient, base_url: str, api_key: Option
     return models[0]["id"]
 
 
-async def spec_counters(base_url: str, api_key: Optional[str]) -> Optional[tuple[float, float]]:
+async def spec_counters(base_url: str, api_key: Optional[str]) -> Optional[SpecCounters]:
     """(drafts, accepted tokens) from /metrics, or None when the server exposes no speculation counters
     (or cannot be reached). Scraped on a connection of its own: a request sent right after a scrape on
     the same keep-alive connection was seen to wait ~40 ms for its first chunk, which would skew TTFT."""
@@ -173,7 +179,7 @@ async def spec_counters(base_url: str, api_key: Optional[str]) -> Optional[tuple
     return parse_spec_counters(response.text)
 
 
-def parse_spec_counters(text: str) -> Optional[tuple[float, float]]:
+def parse_spec_counters(text: str) -> Optional[SpecCounters]:
     """(drafts, accepted tokens) summed over label sets, from Prometheus text exposition."""
     for prefix in SPEC_PREFIXES:
         drafts = _counter(text, f"{prefix}:spec_decode_num_drafts")
@@ -188,7 +194,7 @@ def _counter(text: str, name: str) -> Optional[float]:
     return sum(float(v) for v in values) if values else None
 
 
-def acceptance_length(before: Optional[tuple[float, float]], after: Optional[tuple[float, float]]) -> Optional[float]:
+def acceptance_length(before: Optional[SpecCounters], after: Optional[SpecCounters]) -> Optional[float]:
     """1 + accepted / drafts over the interval between two counter readings; None without drafts."""
     if before is None or after is None:
         return None

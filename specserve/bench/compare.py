@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..assets import default_draft_path
+from .client import BenchError
 from .report import print_levels
 from .runner import SweepOptions, run_sweep
 from .server_process import ServerProcess, ServerStartError
@@ -57,9 +58,11 @@ SMALL_CPU_SWEEP = SweepOptions(concurrency=(1, 2, 5, 10), requests_per_level=10,
 
 def skip_reason(config: Configuration, model: Optional[str]) -> Optional[str]:
     """Why `config` cannot run here: speculation on the default model without the shipped drafter."""
-    args = config.args
-    uses_default_draft = (model is None and "--speculative-algorithm" in args
-                          and not any(a.startswith("--speculative-draft-model-path") for a in args))
+    def given(flag: str) -> bool:
+        return any(a == flag or a.startswith(flag + "=") for a in config.args)
+
+    uses_default_draft = (model is None and given("--speculative-algorithm")
+                          and not given("--speculative-draft-model-path"))
     if uses_default_draft and default_draft_path() is None:
         return ("the shipped default EAGLE-3 drafter (specserve/assets/default/eagle3) is missing: "
                 "pass --speculative-draft-model-path in the configuration")
@@ -101,7 +104,7 @@ def run_configuration(config: Configuration, options: SweepOptions, model: Optio
         server.wait_ready(startup_timeout)
         record["result"] = asyncio.run(run_sweep(server.url, options, console, title=config.name))
         record.update(status="ok", error=None)
-    except ServerStartError as e:
+    except (ServerStartError, BenchError) as e:
         record.update(status="failed", error=str(e))
         console.print(Text(f"{config.name}: {e}", style="red"))
     finally:
@@ -121,6 +124,7 @@ def run_compare(configs: list[Configuration], options: SweepOptions, model: Opti
     The result: {"options", "model", "configurations": [record per configuration]}."""
     console = console or Console(stderr=True)
     log_dir = log_dir or tempfile.mkdtemp(prefix="specserve-compare-")
+    os.makedirs(log_dir, exist_ok=True)
     records = []
     with sigterm_as_interrupt():
         for config in configs:

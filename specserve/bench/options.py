@@ -47,5 +47,5 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
 
 def sweep_options(args: argparse.Namespace, base: SweepOptions = DEFAULTS) -> SweepOptions:
     """`base` with the flags the user gave."""
-    given = {f.name: getattr(args, f.name) for f in fields(SweepOptions) if getattr(args, f.name, None) is not None}
-    return replace(base, **given)
+    given = {f.name: getattr(args, f.name, None) for f in fields(SweepOptions)}
+    return replace(base, **{name: value for name, value in given.items() if value is not None})

@@ -17,7 +17,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .client import BenchError, Endpoint, RequestResult, acceptance_length, send_request, served_model, spec_counters
+from .client import (BenchError, Endpoint, RequestResult, acceptance_length, send_request, served_model,
+                     spec_counters)
 from .datasets import Prompt, load_dataset
 from .report import summarize_level
 
@@ -66,7 +67,8 @@ def _http_client(max_concurrency: int) -> httpx.AsyncClient:
 
 async def run_requests(client: httpx.AsyncClient, endpoint: Endpoint, prompts: list[tuple[int, Prompt]],
                        concurrency: int, request_rate: Optional[float], rng: random.Random,
-                       on_done: Callable[[RequestResult], None] = lambda r: None) -> tuple[list[RequestResult], float]:
+                       on_done: Optional[Callable[[RequestResult], None]] = None
+                       ) -> tuple[list[RequestResult], float]:
     """Send `prompts` ((dataset index, prompt) pairs) with at most `concurrency` in flight; the results in
     order and the wall time from the first send to the last completion."""
     limit = asyncio.Semaphore(concurrency)
@@ -74,7 +76,8 @@ async def run_requests(client: httpx.AsyncClient, endpoint: Endpoint, prompts: l
     async def one(index: int, prompt: Prompt) -> RequestResult:
         async with limit:
             result = await send_request(client, endpoint, prompt, index)
-        on_done(result)
+        if on_done is not None:
+            on_done(result)
         return result
 
     start = time.perf_counter()
