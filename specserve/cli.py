@@ -131,13 +131,21 @@ def add_bench_command(sub) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _needs_server_extra(command: str, e: ImportError) -> ConfigError:
+    return ConfigError(f"`specserve {command}` needs the server extra ({e.name} is missing): "
+                       f"pip install 'specserve[server]'")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import asyncio
 
-    from .bench.client import BenchError
     from .bench.options import sweep_options
-    from .bench.report import print_levels, write_json
-    from .bench.runner import run_sweep
+    try:
+        from .bench.client import BenchError
+        from .bench.report import print_levels, write_json
+        from .bench.runner import run_sweep
+    except ImportError as e:
+        raise _needs_server_extra("bench", e) from e
 
     try:
         result = asyncio.run(run_sweep(args.base_url, sweep_options(args)))
@@ -171,9 +179,12 @@ def add_compare_command(sub) -> None:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .bench import compare
     from .bench.options import sweep_options
-    from .bench.report import write_json
+    try:
+        from .bench import compare
+        from .bench.report import write_json
+    except ImportError as e:
+        raise _needs_server_extra("compare", e) from e
 
     configs = [compare.Configuration.parse(text) for text in args.config] or list(compare.DEFAULT_CONFIGURATIONS)
     options = sweep_options(args, base=compare.SMALL_CPU_SWEEP) if not args.config else sweep_options(args)

@@ -22,8 +22,9 @@ from rich.text import Text
 
 from ..assets import default_draft_path
 from .client import BenchError
+from .options import SweepOptions
 from .report import print_levels
-from .runner import SweepOptions, run_sweep
+from .runner import run_sweep
 from .server_process import ServerProcess, ServerStartError
 
 

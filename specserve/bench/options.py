@@ -1,13 +1,48 @@
-"""Command-line flags of the sweep, shared by `specserve bench` and `specserve compare`.
+"""What a sweep runs (`SweepOptions`) and its command-line flags, shared by `specserve bench` and
+`specserve compare`. Plain Python: the CLI imports this module to build its flags without httpx.
 
 Flags default to None so that a command can fill what the user left out from its own defaults
 (`compare` with no configurations uses a sweep sized for a small CPU)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Optional
 
-from .runner import SweepOptions
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """What `specserve bench` (and each configuration of `specserve compare`) runs."""
+
+    endpoint: str = "completions"
+    model: Optional[str] = None  # None: the first of /v1/models
+    concurrency: tuple[int, ...] = (1, 2, 5, 10, 30, 70, 100, 250)
+    requests_per_level: int = 30
+    max_tokens: int = 200
+    warmup: int = 5
+    dataset: str = "builtin"
+    ignore_eos: bool = False
+    request_rate: Optional[float] = None  # None: all requests at once (closed loop only)
+    temperature: float = 0.0
+    api_key: Optional[str] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
+        if not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.requests_per_level < 1 or self.max_tokens < 1 or self.warmup < 0:
+            raise ValueError("requests_per_level and max_tokens must be >= 1, warmup >= 0")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+
+    def record(self) -> dict:
+        """The options as they go into the results JSON (the API key left out)."""
+        out = asdict(self)
+        out["api_key"] = "(set)" if self.api_key else None
+        return out
+
 
 DEFAULTS = SweepOptions()
 
