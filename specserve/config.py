@@ -56,7 +56,9 @@ class SpeculativeConfig:
     """SGLang's knobs: draft depth (num_steps), children kept per node (topk; 1 = chain), and tokens
     verified per request counting the root (num_draft_tokens; a chain verifies num_steps + 1)."""
 
-    speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm", ("EAGLE3",))
+    speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm; unset = EAGLE3 with the "
+                                                      "shipped drafter when the shipped model runs, else off",
+                                                ("EAGLE3", "none"))
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE-3 draft checkpoint folder")
     speculative_num_steps: int = _opt(3, "draft depth S (at most S+1 tokens accepted per verify)")
     speculative_eagle_topk: int = _opt(1, "children kept per draft node; 1 = chain, >1 = tree")
@@ -65,7 +67,7 @@ class SpeculativeConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.speculative_algorithm is not None
+        return self.speculative_algorithm not in (None, "none")
 
     def validate(self) -> None:
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
@@ -202,10 +204,12 @@ class EngineConfig:
                               f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len ({max_len})")
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len)
-        spec = self.speculative
-        if spec.enabled:
-            from .assets import default_draft_path
+        from .assets import default_draft_path
 
+        spec = self.speculative
+        if spec.speculative_algorithm is None and m.model is None and default_draft_path() is not None:
+            spec = replace(spec, speculative_algorithm="EAGLE3")  # the shipped pair speculates by default
+        if spec.enabled:
             draft = spec.speculative_draft_model_path or (default_draft_path() if m.model is None else None)
             if draft is None:
                 raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
