@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Rebuild the shipped default pair: the target (scripts/train_target.py) and its EAGLE-3 drafter
+# (specserve train-draft). Run from the repo root on a CUDA machine; on the H200 the target took
+# ~2 min and the drafter ~6 min (self-distillation included). The shipped pair was trained on
+# CPython 3.11.7's stdlib copied from the development machine (step 1 ran there, the rest on the H200).
+#   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
+#   model.safetensors) into specserve/assets/default/{target,eagle3}.
+set -euo pipefail
+PY=${PYTHON:-python3}
+OUT=${1:-build/default-pair}
+mkdir -p "$OUT"
+[ -d "$OUT/stdlib" ] || $PY scripts/pair_data.py stdlib --out "$OUT/stdlib"
+$PY scripts/train_target.py --stdlib "$OUT/stdlib" --out "$OUT/target" --device cuda --batch-size 64 \
+  --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
+  --eval-windows 256 --eval-ast 50 --seed 0
+$PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" --out "$OUT/distill.txt"
+PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
+  --out "$OUT/eagle3" --steps 2200 --batch-size 32 --seq-len 256 --ttt-steps 4 --lr 1e-3 \
+  --intermediate-size 1024 --device cuda --self-distill 64 --save-every 200 --no-progress --seed 0
