@@ -64,6 +64,8 @@ class SpeculativeConfig:
     speculative_eagle_topk: int = _opt(1, "children kept per draft node; 1 = chain, >1 = tree")
     speculative_num_draft_tokens: Optional[int] = _opt(None, "tokens verified per request incl. the root "
                                                               "(default: steps+1 for a chain, 8 for a tree)")
+    speculative_policy: str = _opt("adaptive", "how much to speculate each step", ("adaptive", "always", "threshold"))
+    speculative_disable_batch_threshold: int = _opt(32, "threshold policy: no speculation while more requests run")
 
     @property
     def enabled(self) -> bool:

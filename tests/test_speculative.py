@@ -45,7 +45,8 @@ ENGINES = {
 def test_greedy_lossless(pair, plain_outputs, spec, engine):
     target, draft = pair
     prompts, want = plain_outputs
-    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, **spec, **ENGINES[engine])
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_policy="always",
+                   **spec, **ENGINES[engine])
     for batch in (prompts[:1], prompts):
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
         assert [o.token_ids for o in outs] == want[:len(batch)]
@@ -61,7 +62,8 @@ def test_stops_inside_accepted_run(pair, plain_outputs):
     target, draft = pair
     prompts, want = plain_outputs
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-                   speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+                   speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                   speculative_policy="always")
     for max_tokens in (1, 2, 3, 7, 13):
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         assert [o.token_ids for o in outs] == [w[:max_tokens] for w in want]
@@ -123,3 +125,27 @@ def test_loader_reads_published_format(pair, tmp_path):
     plain = make_llm(target).generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     spec = llm.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert spec[0].token_ids == plain[0].token_ids
+
+
+@pytest.mark.parametrize("policy", ["adaptive", "threshold"])
+def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
+    """The controller changes the shape between steps (forced here: adaptive explores every shape, and
+    the threshold flips as requests finish); outputs stay identical to plain decoding."""
+    target, draft = pair
+    prompts, want = plain_outputs
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=3,
+                   speculative_policy=policy, speculative_disable_batch_threshold=4)
+    controller = llm.engine.controller
+    controller.probe_every = 3  # switch often
+    seen = set()
+    original = controller.choose
+    controller.choose = lambda b: _record(seen, original(b))
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert len({s.k for s in seen}) >= 2, "the test must see k change"
+    assert_pool_full(llm)
+
+
+def _record(seen, shape):
+    seen.add(shape)
+    return shape

@@ -39,7 +39,7 @@ def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
 def test_emitted_distribution_matches_target(pair, spec):
     target, draft = pair
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, max_num_seqs=512,
-                   max_num_batched_tokens=4096, **spec)
+                   max_num_batched_tokens=4096, speculative_policy="always", **spec)
     outs = llm.generate([PROMPT] * N, SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS))
     assert llm.engine.stats.spec.num_accepted_tokens > 50, "drafts must be accepted for the test to mean anything"
     assert_pool_full(llm)

@@ -16,6 +16,7 @@ from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from ..spec import make_proposer
+from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
 from ..spec.verify import verify
 from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
 from .scheduler import Scheduler
@@ -72,7 +73,12 @@ class LLMEngine:
                              f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                              f"or kv_cache_gb, or lower max_model_len")
         self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.proposer = make_proposer(config, self.arch, self.runner) if config.speculative.enabled else None
+        spec = config.speculative
+        self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+        self.controller = Controller(spec.speculative_policy, candidate_shapes(
+            spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
+            spec.speculative_disable_batch_threshold) if spec.enabled else None
+        self.shape: Shape = PLAIN
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -133,19 +139,23 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------------
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:
         """(tokens computed, KV slots needed) for a decoding sequence this step."""
-        p = self.proposer
-        if p is None or seq.num_tokens + p.num_slots > self.config.model.max_model_len:
+        shape = self.shape
+        if shape.steps == 0 or seq.num_tokens + self.proposer.num_slots(shape) > self.config.model.max_model_len:
             return 1, 1
-        return p.num_verify_tokens, p.num_slots
+        return shape.num_nodes, self.proposer.num_slots(shape)
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        if self.controller is not None:
+            self.shape = self.controller.choose(max(1, len(self.scheduler.running)))
         batch = self.scheduler.schedule(self._decode_shape)
         if not batch:
             return []
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
         if speculating:
             t0 = time.perf_counter()
-            for item, tree in zip(speculating, self.proposer.propose([item.seq for item in speculating])):
+            trees = self.proposer.propose([item.seq for item in speculating], self.shape)
+            for item, tree in zip(speculating, trees):
                 item.draft = tree
             self.stats.spec.draft_time_s += time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -153,9 +163,14 @@ class LLMEngine:
         if speculating:
             self.stats.spec.verify_time_s += time.perf_counter() - t0
         self.stats.num_steps += 1
-        self.stats.spec.last_k = self.proposer.num_verify_tokens - 1 if speculating else 0
+        self.stats.spec.last_k = self.shape.k if speculating else 0
         outputs = self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
+        if self.controller is not None and all(item.seq.num_computed_tokens > item.seq.num_prompt_tokens
+                                               or item.draft is not None for item in batch):
+            # decode-only steps teach the controller what each shape costs at this batch size
+            used = self.shape if speculating else PLAIN
+            self.controller.record_step(len(batch), used, time.perf_counter() - start)
         return outputs
 
     def _apply(self, batch: list[ScheduledSeq], out: ForwardOutput) -> list[RequestOutput]:
@@ -199,6 +214,7 @@ class LLMEngine:
             self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])
         self._commit(seq, verdict.path, out, i)
         self.stats.spec.record(tree.num_drafts, verdict.num_accepted)
+        self.controller.record_verify(self.shape, verdict.num_accepted)
         tokens = verdict.tokens
         logprobs = None
         if seq.params.logprobs is not None:

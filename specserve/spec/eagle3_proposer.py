@@ -16,6 +16,7 @@ from ..engine.sequence import Sequence
 from ..layers.attention import build_metadata
 from ..models import ArchConfig
 from .eagle3 import Eagle3Draft, load_eagle3
+from .controller import Shape
 from .proposer import Proposer
 from .tree import DraftTree, select_tree
 
@@ -29,9 +30,6 @@ class DraftState:
 class Eagle3Proposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_model, num_slots_total: int,
                  block_size: int, dtype: torch.dtype, device: torch.device):
-        self.steps = config.speculative_num_steps
-        self.topk = config.speculative_eagle_topk
-        self.num_nodes = config.speculative_num_draft_tokens
         self.block_size = block_size
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device)
@@ -42,13 +40,8 @@ class Eagle3Proposer(Proposer):
         self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         attn.kv_cache = self.kv_cache
 
-    @property
-    def num_verify_tokens(self) -> int:
-        return self.num_nodes
-
-    @property
-    def num_slots(self) -> int:
-        return max(self.num_nodes, (self.steps - 1) * self.topk)
+    def num_slots(self, shape: Shape) -> int:
+        return max(shape.num_nodes, (shape.steps - 1) * shape.topk)
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
         if seq.draft_state is None:
@@ -57,9 +50,9 @@ class Eagle3Proposer(Proposer):
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
+    def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         logits, hidden = self._catch_up(seqs)  # [B, draft_vocab], [B, H]
-        k, batch = self.topk, len(seqs)
+        k, batch = shape.topk, len(seqs)
         base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
         logp = logits.float().log_softmax(-1)
         scores, draft_ids = logp.topk(k, dim=-1)  # [B, K]
@@ -70,7 +63,7 @@ class Eagle3Proposer(Proposer):
         h_in = hidden.unsqueeze(1).expand(batch, k, hidden.shape[-1])  # [B, K, H]
         ancestors = torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)  # [B, K, K] over expanded nodes so far
         exp_scores = scores
-        for depth in range(1, self.steps):
+        for depth in range(1, shape.steps):
             tokens = torch.cat(cand_tokens, 1).gather(1, expanded)  # [B, K]
             logits, h_out = self._expand(seqs, base, depth, tokens, h_in, ancestors)
             logp = logits.float().log_softmax(-1).view(batch, k, -1)
@@ -80,7 +73,7 @@ class Eagle3Proposer(Proposer):
             cand_tokens.append(self.draft.to_target_ids(child_ids.view(batch, k * k)))
             cand_scores.append(child_scores)
             cand_parents.append(expanded.repeat_interleave(k, dim=1))
-            if depth == self.steps - 1:
+            if depth == shape.steps - 1:
                 break
             exp_scores, pick = child_scores.topk(k, dim=-1)  # [B, K] the next nodes to expand
             parent_slot = pick // k  # which expanded node each came from
@@ -89,7 +82,7 @@ class Eagle3Proposer(Proposer):
             ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)], dim=2)
             expanded = offset + pick
         all_tokens, all_scores, all_parents = (torch.cat(x, 1).cpu() for x in (cand_tokens, cand_scores, cand_parents))
-        return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], self.num_nodes)
+        return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], shape.num_nodes)
                 for b, s in enumerate(seqs)]
 
     def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:

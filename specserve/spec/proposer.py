@@ -6,31 +6,28 @@ from abc import ABC, abstractmethod
 import torch
 
 from ..engine.sequence import Sequence
+from .controller import Shape
 from .tree import DraftTree
 
 
 class Proposer(ABC):
     """Proposes draft trees for running requests and follows the target's accepted tokens.
 
-    The engine knows only this interface: how many tokens a verify takes (`num_verify_tokens`, root
-    included), how many KV slots drafting needs past the computed prefix (`num_slots`), which target
-    layers' input hidden states to hand over (`aux_layers`, empty when the method needs none), and the
-    three calls below. Per-request state lives in `seq.draft_state`, which preemption clears.
+    The engine knows only this interface: how many KV slots drafting a given shape needs past the
+    computed prefix (`num_slots`), which target layers' input hidden states to hand over
+    (`aux_layers`, empty when the method needs none), and the calls below. A verify of shape s takes
+    s.num_nodes tokens per request, root included. Per-request state lives in `seq.draft_state`, which
+    preemption clears; steps without speculation still `observe`, so drafting can resume at any step.
     """
 
     aux_layers: tuple[int, ...] = ()
 
-    @property
     @abstractmethod
-    def num_verify_tokens(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def num_slots(self) -> int: ...
+    def num_slots(self, shape: Shape) -> int: ...
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence]) -> list[DraftTree]:
-        """One draft tree of exactly num_verify_tokens nodes per sequence (each has one uncomputed token)."""
+    def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
+        """One draft tree of exactly shape.num_nodes nodes per sequence (each has one uncomputed token)."""
 
     @abstractmethod
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:

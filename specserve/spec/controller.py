@@ -1,0 +1,129 @@
+"""How much to speculate, chosen before every step.
+
+A *shape* is what one verify looks like: (draft steps, children per node, tokens verified incl. the
+root). Shape 0 is plain decoding: no draft forward, no verify machinery, no lookahead KV. Chains of
+1..S steps and, when a tree is configured, the tree itself are the other candidates.
+
+Policies:
+- always: the configured shape every step;
+- threshold: plain decoding while more than `threshold` requests run, else the configured shape;
+- adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
+  per request come from live acceptance (per-position conditional rates for chains, the mean for a
+  tree); step times (drafting, catching up and verifying included) are measured per (batch-size
+  bucket, shape) from live steps. Unmeasured shapes are tried, a switch needs a clear gain
+  (hysteresis), and every `probe_every` steps another shape is probed so a dropped one can return.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Shape:
+    steps: int
+    topk: int
+    num_nodes: int
+
+    @property
+    def k(self) -> int:
+        """Draft tokens verified per request (0 = plain decoding)."""
+        return self.num_nodes - 1 if self.steps else 0
+
+
+PLAIN = Shape(0, 1, 1)
+
+
+def candidate_shapes(steps: int, topk: int, num_nodes: int) -> list[Shape]:
+    chains = [Shape(s, 1, s + 1) for s in range(1, steps + 1)]
+    return [PLAIN] + chains + ([Shape(steps, topk, num_nodes)] if topk > 1 else [])
+
+
+def bucket(batch_size: int) -> int:
+    """Batch sizes are grouped by powers of two: 1, 2, 4, 8, ..."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class Ema:
+    def __init__(self, alpha: float):
+        self.alpha, self.value, self.count = alpha, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.count == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.count += 1
+
+
+class Controller:
+    def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
+                 probe_every: int = 64, alpha: float = 0.2, min_samples: int = 2):
+        if policy not in ("always", "threshold", "adaptive"):
+            raise ValueError(f"unknown speculative policy {policy!r}")
+        self.policy = policy
+        self.shapes = shapes
+        self.configured = shapes[-1]
+        self.threshold = threshold
+        self.hysteresis = hysteresis
+        self.probe_every = probe_every
+        self.alpha = alpha
+        self.min_samples = min_samples
+        self.step_time: dict[tuple[int, Shape], Ema] = {}
+        self.position_accept = [Ema(alpha) for _ in range(max(s.steps for s in shapes))]
+        self.tree_tokens = Ema(alpha)
+        self.current: dict[int, Shape] = {}
+        self.steps_taken = 0
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def choose(self, batch_size: int) -> Shape:
+        if self.policy == "always":
+            return self.configured
+        if self.policy == "threshold":
+            return PLAIN if batch_size > self.threshold else self.configured
+        return self._adaptive(bucket(batch_size), batch_size)
+
+    def _adaptive(self, b: int, batch_size: int) -> Shape:
+        self.steps_taken += 1
+        unmeasured = [s for s in self.shapes if self._samples(b, s) < self.min_samples]
+        if unmeasured:
+            return unmeasured[0]
+        scores = {s: self.goodput(b, s, batch_size) for s in self.shapes}
+        best = max(scores, key=scores.get)
+        current = self.current.get(b, best)
+        if scores[best] < scores[current] * (1 + self.hysteresis):
+            best = current
+        self.current[b] = best
+        if self.steps_taken % self.probe_every == 0:  # probe a neighbour so its estimates stay fresh
+            i = self.shapes.index(best)
+            return self.shapes[i + 1] if i + 1 < len(self.shapes) else self.shapes[max(0, i - 1)]
+        return best
+
+    def expected_tokens(self, shape: Shape) -> float:
+        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
+        if shape.steps == 0:
+            return 1.0
+        if shape.topk > 1:
+            return self.tree_tokens.value if self.tree_tokens.count else 1.0
+        total, reach = 1.0, 1.0
+        for i in range(shape.steps):
+            reach *= self.position_accept[i].value if self.position_accept[i].count else 0.5
+            total += reach
+        return total
+
+    def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
+        time = self.step_time[(b, shape)].value
+        return batch_size * self.expected_tokens(shape) / max(time, 1e-9)
+
+    def _samples(self, b: int, shape: Shape) -> int:
+        ema = self.step_time.get((b, shape))
+        return ema.count if ema else 0
+
+    # ---- observations -------------------------------------------------------------------------
+    def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
+        key = (bucket(batch_size), shape)
+        self.step_time.setdefault(key, Ema(self.alpha)).add(seconds)
+
+    def record_verify(self, shape: Shape, num_accepted: int) -> None:
+        if shape.topk > 1:
+            self.tree_tokens.add(1.0 + num_accepted)
+            return
+        for i in range(min(num_accepted + 1, shape.steps)):  # positions reached: accepted ones + the first rejected
+            self.position_accept[i].add(1.0 if i < num_accepted else 0.0)

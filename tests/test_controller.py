@@ -1,0 +1,66 @@
+"""The controller's choices on synthetic step-cost and acceptance tables."""
+from __future__ import annotations
+
+import random
+
+from specserve.spec.controller import PLAIN, Controller, Shape, candidate_shapes
+
+SHAPES = candidate_shapes(steps=3, topk=1, num_nodes=4)  # plain, chains of 1, 2, 3
+
+
+def feed(c: Controller, batch: int, cost, accept: float, steps: int = 400, noise: float = 0.0, seed: int = 0):
+    """Run the controller against a simulated engine: cost(shape) seconds per step, each draft position
+    accepted with probability `accept`. Returns the shapes it chose."""
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(steps):
+        shape = c.choose(batch)
+        chosen.append(shape)
+        c.record_step(batch, shape, cost(shape) * (1 + rng.uniform(-noise, noise)))
+        if shape.steps:
+            for _ in range(batch):
+                accepted = 0
+                while accepted < shape.steps and rng.random() < accept:
+                    accepted += 1
+                c.record_verify(shape, accepted)
+    return chosen
+
+
+def settled(chosen: list[Shape]) -> Shape:
+    tail = chosen[-100:]
+    return max(set(tail), key=tail.count)
+
+
+def test_plain_when_verify_is_dear_and_acceptance_low():
+    c = Controller("adaptive", SHAPES)
+    chosen = feed(c, 64, cost=lambda s: 0.010 * (1 + s.k), accept=0.2)  # each draft token costs a full step
+    assert settled(chosen) == PLAIN
+
+
+def test_largest_k_when_verify_is_nearly_free_and_acceptance_high():
+    c = Controller("adaptive", SHAPES)
+    chosen = feed(c, 1, cost=lambda s: 0.010 * (1 + 0.03 * s.k), accept=0.9)
+    assert settled(chosen) == SHAPES[-1]
+
+
+def test_stable_under_noisy_timings():
+    c = Controller("adaptive", SHAPES)
+    chosen = feed(c, 8, cost=lambda s: 0.010 * (1 + 0.1 * s.k), accept=0.8, steps=800, noise=0.3)
+    tail = chosen[-400:]
+    switches = sum(a != b for a, b in zip(tail, tail[1:]))
+    # probes come every 64 steps (a switch out and back); noise alone must not flip the choice
+    assert switches <= 2 * (400 // c.probe_every) + 2
+    assert settled(chosen) == SHAPES[-1]
+
+
+def test_dropped_k_comes_back_when_acceptance_recovers():
+    c = Controller("adaptive", SHAPES)
+    cost = lambda s: 0.010 * (1 + 0.1 * s.k)  # noqa: E731
+    assert settled(feed(c, 4, cost, accept=0.05)) == PLAIN
+    assert settled(feed(c, 4, cost, accept=0.95, steps=1500, seed=1)) != PLAIN
+
+
+def test_threshold_and_always():
+    c = Controller("threshold", SHAPES, threshold=8)
+    assert c.choose(8) == SHAPES[-1] and c.choose(9) == PLAIN
+    assert Controller("always", SHAPES).choose(500) == SHAPES[-1]
