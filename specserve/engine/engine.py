@@ -184,7 +184,7 @@ class LLMEngine:
             if item.draft is not None:
                 tokens, logprobs = self._accept(item, out, i)
             else:
-                self._commit(seq, list(range(item.num_tokens)), out, i)
+                self._commit(seq, range(item.num_tokens), out, i)
                 if i not in sampled:
                     continue
                 token, logprob = sampled[i]
@@ -198,12 +198,14 @@ class LLMEngine:
                 self.blocks.truncate(seq, seq.num_tokens)
         return outputs
 
-    def _commit(self, seq: Sequence, nodes: list[int], out: ForwardOutput, i: int) -> None:
+    def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> None:
         """The KV of these of the item's tokens is now part of seq; tell the proposer."""
         seq.num_computed_tokens += len(nodes)
         if self.proposer is not None:
             first = out.token_offsets[i]
-            self.proposer.observe(seq, out.aux[[first + n for n in nodes]])
+            contiguous = list(nodes) == list(range(len(nodes)))
+            rows = out.aux[first:first + len(nodes)] if contiguous else out.aux[[first + n for n in nodes]]
+            self.proposer.observe(seq, rows)
 
     def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int):
         seq, tree = item.seq, item.draft

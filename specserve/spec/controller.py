@@ -10,8 +10,9 @@ Policies:
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
-  bucket, shape) from live steps. Unmeasured shapes are tried, a switch needs a clear gain
-  (hysteresis), and every `probe_every` steps another shape is probed so a dropped one can return.
+  bucket, shape) from live steps. Unmeasured shapes are tried in order of size until a larger one
+  has clearly lost, a switch needs a clear gain (hysteresis), and every `probe_every` steps a
+  neighbouring shape is probed so a dropped one can come back.
 """
 from __future__ import annotations
 
@@ -82,13 +83,18 @@ class Controller:
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
         self.steps_taken += 1
-        unmeasured = [s for s in self.shapes if self._samples(b, s) < self.min_samples]
-        if unmeasured:
-            return unmeasured[0]
-        scores = {s: self.goodput(b, s, batch_size) for s in self.shapes}
+        measured = []
+        for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
+            if self._samples(b, shape) < self.min_samples:
+                if measured and self.goodput(b, measured[-1], batch_size) * (1 + 2 * self.hysteresis) < max(
+                        self.goodput(b, m, batch_size) for m in measured):
+                    break
+                return shape
+            measured.append(shape)
+        scores = {s: self.goodput(b, s, batch_size) for s in measured}
         best = max(scores, key=scores.get)
         current = self.current.get(b, best)
-        if scores[best] < scores[current] * (1 + self.hysteresis):
+        if current in scores and scores[best] < scores[current] * (1 + self.hysteresis):
             best = current
         self.current[b] = best
         if self.steps_taken % self.probe_every == 0:  # probe a neighbour so its estimates stay fresh

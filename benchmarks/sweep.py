@@ -1,0 +1,91 @@
+"""In-process concurrency sweep: plain vs chain vs tree vs threshold vs adaptive, side by side.
+
+    python benchmarks/sweep.py [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200]
+                               [--model PATH --draft PATH] [--device cpu|cuda] [--out sweep.json]
+
+For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
+have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
+machine noise hits them alike. Reports output tokens/s per level and the ratio to plain, and for the
+adaptive policy the mean k it chose.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.sampling_params import SamplingParams
+
+PROMPTS = [
+    "def read_config(path):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n", "def parse_args(argv=None):\n    parser = argparse.",
+    "    def __repr__(self):\n", "def _check_type(value, expected):\n    \"\"\"Raise TypeError unless",
+    "class Error(Exception):\n    \"\"\"Base class for", "def walk(top, topdown=True, onerror=None):\n",
+]
+
+
+def configurations(draft: str) -> dict[str, dict]:
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
+    return {
+        "plain": dict(speculative_algorithm="none"),
+        "chain": dict(spec, speculative_num_steps=3, speculative_policy="always"),
+        "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                     speculative_policy="always"),
+        "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
+                          speculative_disable_batch_threshold=8),
+        "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
+    }
+
+
+def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    issued = finished = tokens = 0
+    ks, start = [], time.perf_counter()
+    while finished < total:
+        while issued < total and issued - finished < concurrency:
+            engine.add_request(PROMPTS[issued % len(PROMPTS)], params)
+            issued += 1
+        for out in engine.step():
+            if out.finished:
+                finished += 1
+                tokens += len(out.token_ids)
+        ks.append(engine.stats.spec.last_k)
+    seconds = time.perf_counter() - start
+    return {"output_throughput": tokens / seconds, "seconds": seconds, "tokens": tokens,
+            "mean_k": sum(ks) / len(ks)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,2,5,10,30,70,100,250")
+    ap.add_argument("--requests", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--model", default=SHIPPED_TARGET)
+    ap.add_argument("--draft", default=SHIPPED_DRAFT)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--configs", default="plain,chain,tree,threshold,adaptive")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    configs = {k: v for k, v in configurations(args.draft).items() if k in args.configs.split(",")}
+    engines = {name: LLMEngine(EngineConfig.from_options(model=args.model, device=args.device,
+                                                         max_num_seqs=max(levels), **opts))
+               for name, opts in configs.items()}
+    for engine in engines.values():  # warm-up
+        run_level(engine, 2, 4, 16)
+    results: dict = {name: {} for name in engines}
+    for c in levels:
+        for name, engine in engines.items():
+            results[name][c] = run_level(engine, c, max(args.requests, c), args.max_tokens)
+        row = "  ".join(f"{n} {results[n][c]['output_throughput']:7.1f} ({results[n][c]['output_throughput'] / results['plain'][c]['output_throughput']:.2f}x)"
+                        if "plain" in results else f"{n} {results[n][c]['output_throughput']:7.1f}" for n in engines)
+        print(f"C={c:<4} {row}  adaptive mean k {results.get('adaptive', {}).get(c, {}).get('mean_k', 0):.2f}", flush=True)
+    if args.out:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
