@@ -393,7 +393,8 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
 
     draft = make_eagle3_checkpoint(str(tmp_path / "draft"), model)
     srv = ServerProcess(tmp_path / "server.log", "--model", model, "--speculative-algorithm",
-                        "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps", "2")
+                        "EAGLE3", "--speculative-draft-model-path", draft, "--speculative-num-steps", "2",
+                        "--speculative-policy", "always")
     try:
         srv.wait_ready()
         [ref] = llm.generate([PROMPTS[3]], greedy(20))
