@@ -49,9 +49,9 @@ class Configuration:
 
 # What `specserve compare` runs when no --config is given: edit here to change the default comparison.
 DEFAULT_CONFIGURATIONS = (
-    Configuration("plain", ""),
-    Configuration("chain", "--speculative-algorithm EAGLE3 --speculative-num-steps 3"),
-    Configuration("adaptive", "--speculative-algorithm EAGLE3 --speculative-policy adaptive"),
+    Configuration("plain", "--speculative-algorithm none"),
+    Configuration("chain", "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-policy always"),
+    Configuration("adaptive", "--speculative-algorithm EAGLE3 --speculative-num-steps 3 --speculative-policy adaptive"),
 )
 # The sweep those defaults use, sized for a small CPU.
 SMALL_CPU_SWEEP = SweepOptions(concurrency=(1, 2, 5, 10), requests_per_level=10, max_tokens=64, warmup=2)
@@ -59,11 +59,18 @@ SMALL_CPU_SWEEP = SweepOptions(concurrency=(1, 2, 5, 10), requests_per_level=10,
 
 def skip_reason(config: Configuration, model: Optional[str]) -> Optional[str]:
     """Why `config` cannot run here: speculation on the default model without the shipped drafter."""
-    def given(flag: str) -> bool:
-        return any(a == flag or a.startswith(flag + "=") for a in config.args)
+    def value(flag: str) -> Optional[str]:
+        args = config.args
+        for i, a in enumerate(args):
+            if a == flag:
+                return args[i + 1] if i + 1 < len(args) else ""
+            if a.startswith(flag + "="):
+                return a[len(flag) + 1:]
+        return None
 
-    uses_default_draft = (model is None and given("--speculative-algorithm")
-                          and not given("--speculative-draft-model-path"))
+    algorithm = value("--speculative-algorithm")
+    uses_default_draft = (model is None and algorithm not in (None, "none")
+                          and value("--speculative-draft-model-path") is None)
     if uses_default_draft and default_draft_path() is None:
         return ("the shipped default EAGLE-3 drafter (specserve/assets/default/eagle3) is missing: "
                 "pass --speculative-draft-model-path in the configuration")

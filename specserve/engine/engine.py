@@ -166,9 +166,10 @@ class LLMEngine:
         self.stats.spec.last_k = self.shape.k if speculating else 0
         outputs = self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if self.controller is not None and all(item.seq.num_computed_tokens > item.seq.num_prompt_tokens
-                                               or item.draft is not None for item in batch):
-            # decode-only steps teach the controller what each shape costs at this batch size
+        steady = not speculating or self.proposer.last_catch_up <= len(speculating) * (self.shape.steps + 1)
+        if self.controller is not None and steady and all(
+                item.seq.num_computed_tokens > item.seq.num_prompt_tokens or item.draft is not None for item in batch):
+            # decode-only steps without a long catch-up teach the controller what each shape costs
             used = self.shape if speculating else PLAIN
             self.controller.record_step(len(batch), used, time.perf_counter() - start)
         return outputs

@@ -39,6 +39,7 @@ class Eagle3Proposer(Proposer):
         # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
         self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         attn.kv_cache = self.kv_cache
+        self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
 
     def num_slots(self, shape: Shape) -> int:
         return max(shape.num_nodes, (shape.steps - 1) * shape.topk)
@@ -101,6 +102,7 @@ class Eagle3Proposer(Proposer):
             seq_lens.append(end)
             last.append(sum(q_lens) - 1)
             state.computed, state.pending = end, []
+        self.last_catch_up = sum(q_lens)
         meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)

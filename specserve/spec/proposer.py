@@ -21,6 +21,7 @@ class Proposer(ABC):
     """
 
     aux_layers: tuple[int, ...] = ()
+    last_catch_up: int = 0  # positions the latest propose() caught up on (1 per request in steady state)
 
     @abstractmethod
     def num_slots(self, shape: Shape) -> int: ...
