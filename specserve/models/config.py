@@ -21,12 +21,12 @@ ARCHITECTURES = {
 
 
 @dataclass(frozen=True)
-class ArchConfig:
-    architecture: str
+class DecoderShape:
+    """The shape of a Llama-style decoder layer stack, as config.json states it."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -34,6 +34,30 @@ class ArchConfig:
     rope_theta: float
     rope_scaling: Optional[dict]
     max_position_embeddings: int
+
+    @staticmethod
+    def fields_from(cfg: dict) -> dict:
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        return dict(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        )
+
+
+@dataclass(frozen=True)
+class ArchConfig(DecoderShape):
+    architecture: str
+    num_layers: int
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
@@ -48,24 +72,12 @@ class ArchConfig:
             raise UnsupportedModel(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                                    f"specserve runs {', '.join(ARCHITECTURES)}")
         default_bias, qk_norm = ARCHITECTURES[arch]
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
+            **DecoderShape.fields_from(cfg),
             architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", default_bias),
             qk_norm=qk_norm,

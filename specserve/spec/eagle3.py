@@ -21,7 +21,7 @@ from ..layers.attention import Attention, AttentionMetadata
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from ..models.config import ArchConfig, read_config
+from ..models.config import ArchConfig, DecoderShape, read_config
 from ..models.llama import MLP, LlamaForCausalLM
 from ..models.loader import WeightError, build, load_weights
 
@@ -29,18 +29,8 @@ DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
-    hidden_size: int
+class Eagle3Config(DecoderShape):
     target_hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Optional[dict]
-    max_position_embeddings: int
-    vocab_size: int
     draft_vocab_size: int
     aux_layer_ids: Optional[tuple[int, ...]]  # "output of layer i" as the checkpoint states them
 
@@ -52,21 +42,10 @@ class Eagle3Config:
                              f"{DRAFT_ARCHITECTURES[0]}")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"an EAGLE-3 draft has one decoder layer, config says {cfg['num_hidden_layers']}")
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
         aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         return cls(
-            hidden_size=cfg["hidden_size"],
+            **DecoderShape.fields_from(cfg),
             target_hidden_size=cfg.get("target_hidden_size") or cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            vocab_size=cfg["vocab_size"],
             draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             aux_layer_ids=tuple(aux) if aux else None,
         )
