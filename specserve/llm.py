@@ -31,7 +31,7 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine
         for p, sp in zip(prompts, sampling_params):
-            engine._check_prompt(engine.tokenize(p))
+            engine.check_prompt(engine.tokenize(p))
             sp.validate()
         ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, sampling_params)]
         final: dict[str, RequestOutput] = {}

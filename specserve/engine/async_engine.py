@@ -52,7 +52,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.engine.tokenize(prompt)
-        self.engine._check_prompt(ids)
+        self.engine.check_prompt(ids)
         params.validate()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)

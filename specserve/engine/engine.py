@@ -99,7 +99,7 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
-        self._check_prompt(ids)
+        self.check_prompt(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -113,9 +113,6 @@ class LLMEngine:
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""
-        self._check_prompt(ids)
-
-    def _check_prompt(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
         if not ids:
             raise RequestError("the prompt is empty")
