@@ -126,7 +126,6 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.finished:
-            seq.aborted = True
             seq.finish("abort")
             self.scheduler.finish(seq)
 

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..config import EngineConfig
-from ..layers.attention import AttentionMetadata, build_metadata
+from ..layers.attention import build_metadata
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
 from ..spec.tree import DraftTree

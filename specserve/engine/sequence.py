@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -53,11 +52,8 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
         self.num_preemptions = 0
-        self.arrival_time = time.monotonic()
-        self.first_token_time: Optional[float] = None
         self.generator: Optional[torch.Generator] = None
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
-        self.aborted = False
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -77,19 +73,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """True while the step that computes the remaining tokens will not yet reach the output."""
-        return self.num_uncomputed_tokens > 1
-
-    @property
     def finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
     # ---- appending and stopping --------------------------------------------------------------
     def append_tokens(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> int:
         """Append tokens in order until one of them stops the request. Returns how many were kept."""
-        if self.first_token_time is None and tokens:
-            self.first_token_time = time.monotonic()
         kept = 0
         for i, token in enumerate(tokens):
             self.token_ids.append(token)

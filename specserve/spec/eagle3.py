@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import ArchConfig, DecoderShape, read_config
