@@ -47,6 +47,14 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ExecutionConfig:
+    attention_backend: str = _opt("auto", "attention kernels: auto = triton on CUDA when installed, else torch",
+                                  ("auto", "torch", "triton"))
+    enforce_eager: bool = _opt(False, "run every step eagerly (no CUDA graphs)")
+    cuda_graph_max_bs: Optional[int] = _opt(None, "largest batch replayed from CUDA graphs (default: max_num_seqs)")
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "tensor-parallel ranks")
 
@@ -97,6 +105,7 @@ SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "execution": ExecutionConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
 }
@@ -143,6 +152,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
@@ -171,6 +181,8 @@ class EngineConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ConfigError(f"option {name} must be >= 1, got {value}")
+        if self.execution.cuda_graph_max_bs is not None and self.execution.cuda_graph_max_bs < 1:
+            raise ConfigError(f"option cuda_graph_max_bs must be >= 1, got {self.execution.cuda_graph_max_bs}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
         self.speculative.validate()
@@ -204,6 +216,16 @@ class EngineConfig:
         if not self.scheduler.enable_chunked_prefill and self.scheduler.max_num_batched_tokens < max_len:
             raise ConfigError(f"without chunked prefill max_num_batched_tokens "
                               f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len ({max_len})")
+        execution = self.execution
+        backend = execution.attention_backend
+        if backend == "auto":
+            from .layers import triton_attention
+
+            backend = "triton" if device == "cuda" and triton_attention.available() else "torch"
+        if backend == "triton" and device != "cuda":
+            raise ConfigError("attention_backend 'triton' needs device 'cuda'")
+        execution = replace(execution, attention_backend=backend,
+                            cuda_graph_max_bs=execution.cuda_graph_max_bs or self.scheduler.max_num_seqs)
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len)
         from .assets import default_draft_path
@@ -218,7 +240,7 @@ class EngineConfig:
             if not os.path.isdir(draft):
                 raise FileNotFoundError(f"draft model folder {draft!r} does not exist")
             spec = replace(spec.resolved(), speculative_draft_model_path=draft)
-        return replace(self, model=model_cfg, speculative=spec)
+        return replace(self, model=model_cfg, execution=execution, speculative=spec)
 
     def flat(self) -> dict[str, Any]:
         """All options by flat name (for /server_info and logs)."""

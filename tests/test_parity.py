@@ -5,7 +5,7 @@ import pytest
 
 from specserve import SamplingParams
 
-from .conftest import make_llm, ARCHS, assert_pool_full, hf_greedy, make_hf_checkpoint, mixed_prompts
+from .conftest import DEVICE, make_llm, ARCHS, assert_pool_full, hf_greedy, make_hf_checkpoint, mixed_prompts
 
 NEW_TOKENS = 64
 
@@ -21,6 +21,7 @@ CASES = {
     "chunked_prefill": {"max_num_batched_tokens": 16},
     "preemption": {"num_kv_blocks": 16, "block_size": 8, "max_model_len": 128},
     "small_batch": {"max_num_seqs": 3, "max_num_batched_tokens": 40},
+    "eager": {"enforce_eager": True},
 }
 
 
@@ -33,6 +34,9 @@ def test_greedy_matches_transformers(hf_models, expected, arch, case):
     for i, out in enumerate(outs):
         assert out.token_ids == want[arch][i], f"{arch}/{case}: prompt {i} differs"
         assert out.finish_reason == "length"
+    graphs = llm.engine.runner.graphs
+    if DEVICE["name"] == "cuda" and case != "eager":
+        assert graphs is not None and graphs.replays > 0, "decode steps should replay CUDA graphs"
     if case == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
     assert_pool_full(llm)

@@ -5,7 +5,7 @@ import pytest
 
 from specserve import SamplingParams
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
+from .conftest import DEVICE, assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
 from .eagle_utils import make_eagle3_checkpoint
 
 VOCAB = 64
@@ -38,6 +38,8 @@ ENGINES = {
     "default": {},
     "chunked_preempt": dict(max_num_batched_tokens=24, num_kv_blocks=20, block_size=8, max_model_len=128),
 }
+if DEVICE["name"] == "cuda":  # on CUDA the default engine replays graphs; check the eager path too
+    ENGINES["eager"] = dict(enforce_eager=True)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -55,6 +57,8 @@ def test_greedy_lossless(pair, plain_outputs, spec, engine):
     assert stats.num_accepted_tokens > 0, "the random draft should hit sometimes: acceptance paths untested"
     if engine == "chunked_preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+    if DEVICE["name"] == "cuda" and engine == "default":
+        assert llm.engine.runner.graphs.replays > 0, "verify steps should replay CUDA graphs"
     assert_pool_full(llm)
 
 

@@ -79,6 +79,9 @@ class LLMEngine:
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
             spec.speculative_disable_batch_threshold) if spec.enabled else None
         self.shape: Shape = PLAIN
+        shapes = self.controller.shapes if self.controller is not None else [PLAIN]
+        self.runner.capture_graphs(self.proposer.aux_layers if self.proposer else (),
+                                   sorted({s.num_nodes for s in shapes}))
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()

@@ -12,6 +12,7 @@ from ..layers.attention import build_metadata
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
 from ..spec.tree import DraftTree
+from .cuda_graph import GraphRunner, StepInputs
 from .sequence import Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
+        self.graphs: Optional[GraphRunner] = None
+        self.backend = config.execution.attention_backend
         self.sampler = Sampler()
         torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
         self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
@@ -61,8 +64,10 @@ class ModelRunner:
         self.num_blocks = self._kv_blocks()
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
-        # [layers, k/v, slots, kv_heads, head_dim]
-        self.kv_cache = torch.zeros(len(layers), 2, self.num_blocks * self.block_size, kv_heads, head_dim,
+        self.group = layers[0].num_heads // kv_heads
+        self.scratch_slot = self.num_blocks * self.block_size  # padding rows of graph replays write here
+        # [layers, k/v, slots + scratch, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(len(layers), 2, self.scratch_slot + 1, kv_heads, head_dim,
                                     dtype=self.dtype, device=self.device)
         for i, attn in enumerate(layers):
             attn.kv_cache = self.kv_cache[i]
@@ -84,34 +89,57 @@ class ModelRunner:
         useful = c.scheduler.max_num_seqs * -(-c.model.max_model_len // self.block_size) + 1
         return max(1, min(int(budget // per_block), useful))
 
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def capture_graphs(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
+        """Capture decode/verify graphs (CUDA with the triton backend, unless enforce_eager)."""
+        ex = self.config.execution
+        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton":
+            return
+        max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
+        self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
+                                  aux_layers, self.group, self.scratch_slot, self.device)
+        self.graphs.capture()
+
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        ids, positions, q_lens, seq_lens, trees, logit_index, rows, offsets = [], [], [], [], [], [], [], []
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[StepInputs, list[range], list[int]]:
+        """Flatten a batch into step inputs, each item's logits rows and each item's first token index."""
+        step = StepInputs([], [], [], [], [], [], [])
+        rows, offsets = [], []
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
-            offsets.append(len(ids))
+            offsets.append(len(step.ids))
+            first = len(step.logit_index)
             if item.draft is not None:
-                ids.extend(item.draft.tokens)
-                positions.extend(start + d for d in item.draft.depths())
-                trees.append(None if item.draft.is_chain else item.draft.ancestor_mask())
-                first = len(logit_index)
-                logit_index.extend(range(len(ids) - n, len(ids)))
+                step.ids.extend(item.draft.tokens)
+                step.positions.extend(start + d for d in item.draft.depths())
+                step.trees.append(None if item.draft.is_chain else item.draft.ancestor_mask())
+                step.logit_index.extend(range(len(step.ids) - n, len(step.ids)))
                 rows.append(range(first, first + n))
             else:
-                ids.extend(seq.token_ids[start:start + n])
-                positions.extend(range(start, start + n))
-                trees.append(None)
-                rows.append(range(len(logit_index), len(logit_index) + 1) if item.samples else range(0))
+                step.ids.extend(seq.token_ids[start:start + n])
+                step.positions.extend(range(start, start + n))
+                step.trees.append(None)
+                rows.append(range(first, first + 1) if item.samples else range(0))
                 if item.samples:
-                    logit_index.append(len(ids) - 1)
-            q_lens.append(n)
-            seq_lens.append(start + n)
-        meta = build_metadata(q_lens, seq_lens, [item.seq.block_table for item in batch], self.block_size,
-                              self.device, trees if any(t is not None for t in trees) else None)
-        hidden, aux = self.model(self._ids(ids), self._ids(positions), meta, aux_layers)
-        logits = self.model.compute_logits(hidden[self._ids(logit_index)]).float()
+                    step.logit_index.append(len(step.ids) - 1)
+            step.q_lens.append(n)
+            step.seq_lens.append(start + n)
+            step.block_tables.append(seq.block_table)
+        return step, rows, offsets
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        step, rows, offsets = self.prepare(batch)
+        key = self.graphs.graph_for(step) if self.graphs is not None else None
+        if key is not None:
+            logits, aux = self.graphs.replay(key, step)
+            return ForwardOutput(logits, rows, aux, offsets)
+        trees = step.trees if any(t is not None for t in step.trees) else None
+        meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device, trees,
+                              self.backend, self.group)
+        hidden, aux = self.model(self._ids(step.ids), self._ids(step.positions), meta, aux_layers)
+        logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
         return ForwardOutput(logits, rows, torch.cat(aux, dim=-1) if aux else None, offsets)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:

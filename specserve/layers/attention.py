@@ -25,11 +25,34 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [batch, max_kv] cache slot of each context position (pad -> slot of position 0)
     mask: torch.Tensor  # [batch, 1, max_q, max_kv] bool, True = may attend
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]
+        cache[0, self.slot_mapping] = k
+        cache[1, self.slot_mapping] = v
+        keys = cache[0, self.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
+        values = cache[1, self.kv_slots].transpose(1, 2)
+        queries = q[self.query_index].transpose(1, 2)  # [batch, heads, max_q, head_dim]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)[self.query_valid]  # [T, heads, head_dim]
+
+
+BACKENDS = ("torch", "triton")
+
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None
-                   ) -> AttentionMetadata:
-    """q_lens[i] new tokens of sequence i occupy its last q_lens[i] positions of seq_lens[i]."""
+                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
+                   backend: str = "torch", group: int = 1):
+    """q_lens[i] new tokens of sequence i occupy its last q_lens[i] positions of seq_lens[i].
+
+    backend "torch": padded SDPA over gathered KV (any device, differentiable); "triton": the paged
+    CUDA kernel of triton_attention (group = query heads per KV head).
+    """
+    if backend == "triton":
+        from .triton_attention import build_triton_metadata
+
+        return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks)
     batch = len(q_lens)
     max_q, max_kv = max(q_lens), max(seq_lens)
     max_blocks = -(-max_kv // block_size)
@@ -63,7 +86,8 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[li
 
 
 class Attention(nn.Module):
-    """Scaled dot-product attention of new tokens against the paged cache (grouped-query aware)."""
+    """Attention of new tokens against the paged cache (grouped-query aware); the step's metadata
+    (built by `build_metadata` for one backend) does the work."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -73,12 +97,4 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]
-        cache = self.kv_cache
-        cache[0, meta.slot_mapping] = k
-        cache[1, meta.slot_mapping] = v
-        keys = cache[0, meta.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
-        values = cache[1, meta.kv_slots].transpose(1, 2)
-        queries = q[meta.query_index].transpose(1, 2)  # [batch, heads, max_q, head_dim]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(1, 2)[meta.query_valid]  # [num_tokens, heads, head_dim]
+        return meta.attend(q, k, v, self.kv_cache, self.scale)

@@ -88,14 +88,15 @@ def _shards_of(name: str, packed: dict) -> list:
 
 
 def dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights for benchmarking shapes without a checkpoint."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights for benchmarking shapes without a checkpoint, drawn on the weights' device."""
+    gens: dict = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.normal_(0.0, 0.02, generator=gen)
 
 
 def build(cls, config, dtype: torch.dtype, device: torch.device):

@@ -29,8 +29,9 @@ class DraftState:
 
 class Eagle3Proposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_model, num_slots_total: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+                 block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch"):
         self.block_size = block_size
+        self.backend = backend
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device)
         self.draft.embed_tokens = target_model.model.embed_tokens
@@ -39,6 +40,7 @@ class Eagle3Proposer(Proposer):
         # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
         self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         attn.kv_cache = self.kv_cache
+        self.group = attn.num_heads // attn.num_kv_heads
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
 
     def num_slots(self, shape: Shape) -> int:
@@ -103,7 +105,8 @@ class Eagle3Proposer(Proposer):
             last.append(sum(q_lens) - 1)
             state.computed, state.pending = end, []
         self.last_catch_up = sum(q_lens)
-        meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device)
+        meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
+                              backend=self.backend, group=self.group)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)
         return logits[index], h[index]
@@ -114,7 +117,7 @@ class Eagle3Proposer(Proposer):
         masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
         seq_lens = (base + depth * k).tolist()
         meta = build_metadata([k] * batch, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
-                              tree_masks=masks)
+                              tree_masks=masks, backend=self.backend, group=self.group)
         positions = (base + depth - 1).repeat_interleave(k).to(self.device)
         logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
         return logits, h

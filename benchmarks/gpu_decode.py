@@ -1,0 +1,180 @@
+"""Decode speed on a GPU against the roofline, specserve beside Hugging Face transformers' static cache.
+
+One run measures, on the device it runs on:
+- the two ceilings: device-to-device copy bandwidth and bf16 matmul rate;
+- specserve (dummy weights from a config.json, CUDA graphs, Triton paged attention): start-up and graph
+  capture time, decode tokens/s at each batch size through the whole engine (scheduler, sampling,
+  bookkeeping included), each against its roofline: step time = max(bytes read and written per step /
+  copy bandwidth, FLOPs per step / matmul rate);
+- the cost of a verify step with 2, 4, 8 tokens per request relative to a 1-token step, per batch size
+  (graph replays of the target forward);
+- transformers `generate` with `cache_implementation="static"` on the same shape and weights' dtype.
+
+    python benchmarks/gpu_decode.py --out gpu_decode.json            # Llama-3.1-8B shape
+    python benchmarks/gpu_decode.py --part hf --out hf.json          # only the transformers half
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from specserve.models.config import ArchConfig, read_config  # noqa: E402
+
+
+def ceilings(device) -> dict:
+    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, measured here."""
+    src = torch.randn(2 * 2**30 // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    copy_s = time_events(lambda: dst.copy_(src), 20)
+    mm_s = time_events(lambda: a @ b, 20)
+    return {"copy_bytes_per_s": 2 * src.numel() * 2 / copy_s, "bf16_flops_per_s": 2 * 8192 ** 3 / mm_s}
+
+
+def time_events(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def roofline(arch: ArchConfig, batch: int, context: float, q: int, ceil: dict) -> float:
+    """Fastest possible seconds for one step of `batch` requests, q new tokens each, over `context` keys."""
+    h, layers, inter, vocab = arch.hidden_size, arch.num_layers, arch.intermediate_size, arch.vocab_size
+    kv_dim = arch.num_kv_heads * arch.head_dim
+    params = layers * (h * (arch.num_heads * arch.head_dim + 2 * kv_dim) + arch.num_heads * arch.head_dim * h
+                       + 3 * h * inter) + vocab * h  # embedding rows read are negligible: count the lm_head
+    kv_bytes = batch * (context + q) * layers * 2 * kv_dim * 2
+    tokens = batch * q
+    flops = 2 * params * tokens + 4 * tokens * context * layers * arch.num_heads * arch.head_dim
+    return max((2 * params + kv_bytes) / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"])
+
+
+def specserve_part(args, arch, ceil) -> dict:
+    from specserve import LLM, SamplingParams
+    from specserve.engine.cuda_graph import GraphRunner
+
+    max_bs = max(args.batches)
+    t0 = time.perf_counter()
+    llm = LLM(args.config, load_format="dummy", dtype="bfloat16", speculative_algorithm="none",
+              max_model_len=args.prompt_len + args.gen_len + 32, max_num_seqs=max_bs,
+              max_num_batched_tokens=max(8192, args.prompt_len * 4))
+    engine = llm.engine
+    out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
+           "num_graphs": len(engine.runner.graphs.graphs), "decode": {}, "verify_cost": {}}
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
+    for batch in args.batches:
+        for _ in range(batch):
+            ids = torch.randint(10, arch.vocab_size, (args.prompt_len,), generator=gen).tolist()
+            engine.add_request(ids, params)
+        decode_s, decode_tokens = 0.0, 0
+        while engine.has_unfinished():
+            all_decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) \
+                and not engine.scheduler.waiting
+            t = time.perf_counter()
+            outs = engine.step()
+            if all_decoding and len(outs) == batch:
+                decode_s += time.perf_counter() - t
+                decode_tokens += batch
+        tps = decode_tokens / decode_s
+        best = batch / roofline(arch, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+        out["decode"][batch] = {"tokens_per_s": tps, "roofline_tokens_per_s": best, "fraction": tps / best}
+        print(f"specserve batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}", flush=True)
+    runner = engine.runner
+    verify_bs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_bs]
+    graphs = GraphRunner(runner.model, runner.block_size, max(verify_bs), runner.graphs.block_tables.shape[1],
+                         [1, 2, 4, 8], (), runner.group, runner.scratch_slot, runner.device)
+    graphs.capture()
+    blocks_per_seq = -(-(args.prompt_len + 8) // runner.block_size)
+    for batch in verify_bs:
+        row = {}
+        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1) % runner.num_blocks
+        graphs.block_tables[:batch, :blocks_per_seq].copy_(table)
+        for q in (1, 2, 4, 8):
+            if (batch, q) not in graphs.graphs:
+                continue
+            graphs.seq_lens[:batch].fill_(args.prompt_len + q)
+            graphs.slots[:batch * q].fill_(runner.scratch_slot)
+            row[q] = time_events(graphs.graphs[(batch, q)].replay, 20)
+        out["verify_cost"][batch] = {q: {"ms": t * 1e3, "vs_1": t / row[1]} for q, t in row.items()}
+        print(f"verify cost batch {batch}: " + ", ".join(f"{q} tok {t / row[1]:.2f}x" for q, t in row.items()),
+              flush=True)
+    del llm, engine, runner, graphs
+    torch.cuda.empty_cache()
+    return out
+
+
+def hf_part(args, arch, ceil) -> dict:
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(args.config)
+    with torch.device("cuda"):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    out = {"transformers": tf.__version__, "decode": {}}
+    for batch in args.batches:
+        ids = torch.randint(10, arch.vocab_size, (batch, args.prompt_len), device="cuda")
+
+        def generate(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, cache_implementation="static", pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t
+
+        generate(args.gen_len)  # compile / warm up
+        full, one = generate(args.gen_len), generate(1)
+        tps = batch * (args.gen_len - 1) / (full - one)
+        best = batch / roofline(arch, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+        out["decode"][batch] = {"tokens_per_s": tps, "fraction": tps / best}
+        print(f"transformers batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--part", choices=("all", "specserve", "hf"), default="all")
+    ap.add_argument("--out", default="gpu_decode.json")
+    args = ap.parse_args()
+    arch = ArchConfig.from_dict(read_config(args.config))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "ceilings": ceilings("cuda")}
+    print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 {result['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    for part, fn in (("specserve", specserve_part), ("hf", hf_part)):
+        if args.part in ("all", part):
+            result[part] = fn(args, arch, result["ceilings"])
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    if "specserve" in result and "hf" in result:
+        for b in args.batches:
+            s, h = result["specserve"]["decode"][b], result["hf"]["decode"][b]
+            print(f"batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})  "
+                  f"transformers {h['tokens_per_s']:>9,.0f} ({h['fraction']:.0%})  "
+                  f"ratio {s['tokens_per_s'] / h['tokens_per_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

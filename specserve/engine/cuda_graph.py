@@ -1,0 +1,132 @@
+"""CUDA graphs of the target's decode and verify steps.
+
+One graph per (batch size, tokens per sequence): tokens per sequence is 1 for plain decoding and the
+node count of each speculative shape the controller may pick, so every k has its graphs. A step whose
+sequences all compute the same number of tokens (no prefill chunk) and whose batch fits is replayed
+from the smallest captured batch size that holds it; padding rows write their KV to a scratch slot
+that no block owns and attend to nothing. Inputs are copied into static buffers before each replay.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.triton_attention import TritonMetadata, block_q_for, tree_bits
+
+log = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
+    return sizes if sizes[-1] == max_bs else sizes + [max_bs]
+
+
+@dataclass
+class StepInputs:
+    """A step flattened: the tokens of every scheduled sequence, in batch order."""
+
+    ids: list[int]
+    positions: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    trees: list  # per sequence: [q, q] ancestor mask or None (causal)
+    logit_index: list[int]
+
+
+class GraphRunner:
+    def __init__(self, model, block_size: int, max_bs: int, max_blocks: int, tokens_per_seq: list[int],
+                 aux_layers: tuple[int, ...], group: int, scratch_slot: int, device: torch.device,
+                 max_graph_tokens: int = 2048):
+        self.model, self.block_size, self.aux_layers, self.group = model, block_size, aux_layers, group
+        self.scratch_slot, self.device = scratch_slot, device
+        sizes = capture_sizes(max_bs)
+        self.sizes = {q: [b for b in sizes if b * q <= max(max_graph_tokens, max_bs)] for q in sorted(set(tokens_per_seq))}
+        most_tokens = max(b * q for q, bs in self.sizes.items() for b in bs)
+        i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
+        self.ids = torch.zeros(most_tokens, **i64)
+        self.positions = torch.zeros(most_tokens, **i64)
+        self.slots = torch.full((most_tokens,), scratch_slot, **i64)
+        self.tree_bits = torch.zeros(most_tokens, **i64)
+        self.block_tables = torch.zeros(max_bs, max_blocks, **i32)
+        self.seq_lens = torch.zeros(max_bs, **i32)
+        self.tree_lens = torch.zeros(max_bs, **i32)
+        self.tile_seq = torch.arange(max_bs, **i32)
+        self.tile_q0 = torch.zeros(max_bs, **i32)
+        self.q_starts = {q: torch.arange(0, max_bs * q, q, **i32) for q in self.sizes}
+        self.q_lens = {q: torch.full((max_bs,), q, **i32) for q in self.sizes}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    # ---- capture ------------------------------------------------------------------------------
+    def _meta(self, bs: int, q: int) -> TritonMetadata:
+        n = bs * q
+        return TritonMetadata(slot_mapping=self.slots[:n], block_tables=self.block_tables[:bs],
+                              seq_lens=self.seq_lens[:bs], q_starts=self.q_starts[q][:bs], q_lens=self.q_lens[q][:bs],
+                              tree_bits=self.tree_bits[:n], tree_lens=self.tree_lens[:bs], tile_seq=self.tile_seq[:bs],
+                              tile_q0=self.tile_q0[:bs], block_q=block_q_for(q, self.group), page=self.block_size)
+
+    def _run(self, bs: int, q: int):
+        n = bs * q
+        hidden, aux = self.model(self.ids[:n], self.positions[:n], self._meta(bs, q), self.aux_layers)
+        return self.model.compute_logits(hidden).float(), (torch.cat(aux, dim=-1) if aux else None)
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        start = time.perf_counter()
+        pool = None
+        self.seq_lens.zero_()
+        for q, sizes in self.sizes.items():
+            for bs in reversed(sizes):
+                self._run(bs, q)  # warm up: compile kernels, settle the allocator
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[(bs, q)] = self._run(bs, q)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[(bs, q)] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+        return self.capture_seconds
+
+    # ---- replay -------------------------------------------------------------------------------
+    def graph_for(self, step: StepInputs) -> tuple[int, int] | None:
+        q = step.q_lens[0]
+        if q not in self.sizes or any(n != q for n in step.q_lens) or len(step.logit_index) != len(step.ids):
+            return None
+        fits = [b for b in self.sizes[q] if b >= len(step.q_lens)]
+        return (fits[0], q) if fits else None
+
+    @torch.inference_mode()
+    def replay(self, key: tuple[int, int], step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        bs, q = key
+        real, n = len(step.q_lens), len(step.ids)
+        bsz = self.block_size
+        slots = [step.block_tables[i][p // bsz] * bsz + p % bsz
+                 for i, (ql, sl) in enumerate(zip(step.q_lens, step.seq_lens)) for p in range(sl - ql, sl)]
+        width = max(len(t) for t in step.block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
+        longs = torch.tensor([step.ids, step.positions, slots], dtype=torch.long)  # [3, n]
+        ints = torch.tensor([step.seq_lens + [0] * (bs - real),
+                             [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],
+                            dtype=torch.int32)  # [2, bs]
+        for buf, row in zip((self.ids, self.positions, self.slots), longs.to(self.device, non_blocking=True)):
+            buf[:n].copy_(row)
+        if any(t is not None for t in step.trees):
+            self.tree_bits[:n].copy_(tree_bits(step.trees, step.q_lens, self.device))
+        else:
+            self.tree_bits[:n].zero_()
+        self.slots[n:bs * q].fill_(self.scratch_slot)
+        self.block_tables[:real, :width].copy_(tables.to(self.device, non_blocking=True))
+        ints = ints.to(self.device, non_blocking=True)
+        self.seq_lens[:bs].copy_(ints[0])
+        self.tree_lens[:bs].copy_(ints[1])
+        self.graphs[key].replay()
+        self.replays += 1
+        logits, aux = self.outputs[key]
+        return logits[:n], (aux[:n] if aux is not None else None)
