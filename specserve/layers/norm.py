@@ -3,6 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import triton_ops
 from .linear import copy_checked
 
 
@@ -16,6 +17,18 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = lambda p, t, s=None: copy_checked(p, t, "norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.use_triton(x) and x.dim() == 2:
+            return triton_ops.add_rms_norm(x, None, self.weight, self.eps)[0]
+        return self._norm(x)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the sum is rounded to x's dtype first, as Hugging Face does."""
+        if triton_ops.use_triton(x):
+            return triton_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        stream = x if residual is None else x + residual
+        return self._norm(stream), stream
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -11,6 +11,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..layers import triton_ops
 from .config import ArchConfig
 
 
@@ -46,7 +47,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [n, 2 * intermediate]
+        if triton_ops.use_triton(gate_up):
+            return self.down_proj(triton_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -58,9 +62,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous sublayer's output, residual: the stream before it (None at the first layer).
+        Returns this layer's MLP output and the stream before it; their sum is the layer's output."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -75,14 +84,14 @@ class LlamaModel(nn.Module):
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """ids, positions [num_tokens] -> final hidden [num_tokens, hidden] (normed) and the residual
         stream entering each layer in aux_layers (what EAGLE-3 drafters read; num_layers = the last output)."""
-        h = self.embed_tokens(ids)
+        h, residual = self.embed_tokens(ids), None  # [num_tokens, hidden]; the stream is h + residual
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
-                seen[i] = h
-            h = layer(h, positions, meta)
-        seen[len(self.layers)] = h
-        return self.norm(h), [seen[i] for i in aux_layers]
+                seen[i] = h if residual is None else h + residual
+            h, residual = layer(h, residual, positions, meta)
+        out, seen[len(self.layers)] = self.norm.add_norm(h, residual)
+        return out, [seen[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -77,3 +77,31 @@ def test_bitmask_uses_every_bit():
     tree[0, 63] = True
     tree[1, :] = True
     assert triton_attention.tree_bitmask(tree).tolist() == [-(1 << 63), -1]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_elementwise_kernels(dtype):
+    """Each fused kernel against the PyTorch code it replaces (fresh random inputs, poisoned outputs)."""
+    import torch.nn.functional as F
+
+    from specserve.layers import triton_ops
+    from specserve.layers.norm import RMSNorm
+    from specserve.layers.rotary import RotaryEmbedding, _rotate_half
+
+    dev, tol = torch.device("cuda"), (1e-5 if dtype == torch.float32 else 2e-2)
+    x, r = torch.randn(7, 4096, dtype=dtype, device=dev), torch.randn(7, 4096, dtype=dtype, device=dev)
+    norm = RMSNorm(4096, 1e-5).to(dev, dtype)
+    norm.weight.normal_()
+    out, stream = triton_ops.add_rms_norm(x, r, norm.weight, 1e-5)
+    assert torch.equal(stream, x + r)
+    assert (out.float() - norm._norm(x + r).float()).norm() / out.float().norm() < tol
+    g = torch.randn(5, 2 * 14336, dtype=dtype, device=dev)
+    ref = F.silu(g[:, :14336]) * g[:, 14336:]
+    assert (triton_ops.silu_and_mul(g).float() - ref.float()).norm() / ref.float().norm() < tol
+    rot = RotaryEmbedding(128, 4096, 500000.0, None).to(dev)
+    q, pos = torch.randn(9, 32, 128, dtype=dtype, device=dev), torch.randint(0, 4096, (9,), device=dev)
+    cos, sin = rot.cos[pos].unsqueeze(1).to(dtype), rot.sin[pos].unsqueeze(1).to(dtype)
+    ref = q * cos + _rotate_half(q) * sin
+    got = triton_ops.rotary_(q.clone(), pos, rot.cos, rot.sin)
+    assert (got.float() - ref.float()).norm() / ref.float().norm() < tol

@@ -1,0 +1,99 @@
+"""Fused elementwise kernels for CUDA: one launch where PyTorch takes several.
+
+A decode step at small batch is a few hundred kernel launches around the weight reads; each of these
+replaces 3-15 PyTorch kernels per layer. Each computes what its PyTorch counterpart in norm.py,
+rotary.py and llama.py computes, with the same roundings to the model dtype (fp32 math in between).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+    @triton.jit
+    def _add_rms_norm(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n, eps,
+                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
+                Out.dtype.element_ty)
+            tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        y = (xf * rstd).to(Out.dtype.element_ty) * w
+        tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_and_mul(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(X + row * stride_x + n + cols, mask=mask, other=0.0)
+        act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty)
+        tl.store(Out + row * stride_o + cols, act * up, mask=mask)
+
+    @triton.jit
+    def _rotary(X, Cos, Sin, Pos, stride_t, stride_h, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(Pos + tok)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < heads
+        cos = tl.load(Cos + pos * 2 * HALF + d).to(X.dtype.element_ty).to(tl.float32)
+        sin = tl.load(Sin + pos * 2 * HALF + d).to(X.dtype.element_ty).to(tl.float32)
+        base = X + tok * stride_t + h * stride_h
+        a = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(base + d, (a * cos - b * sin).to(X.dtype.element_ty), mask=mask)
+        tl.store(base + HALF + d, (b * cos + a * sin).to(X.dtype.element_ty), mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float):
+    """norm(x + residual) and x + residual (x alone when residual is None); x [n, hidden]."""
+    n, hidden = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    r = residual if residual is not None else x
+    _add_rms_norm[(n,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
+                        hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden), num_warps=8)
+    return out, res_out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:] for x [tokens, 2n]."""
+    tokens, two_n = x.shape
+    n = two_n // 2
+    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    return out
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] in place (rotate-half layout); cos, sin [max_pos, head_dim] fp32."""
+    tokens, heads, head_dim = x.shape
+    if tokens:
+        _rotary[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), heads, HALF=head_dim // 2,
+                           BLOCK_H=_pow2(heads), num_warps=4)
+    return x
