@@ -24,17 +24,18 @@ import time
 from specserve import LLM, SamplingParams
 from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
 
-CONFIGS = {
-    "plain": dict(speculative_algorithm="none"),
-    "chain3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=SHIPPED_DRAFT,
-                   speculative_num_steps=3, speculative_eagle_topk=1),
-    "tree4x8": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=SHIPPED_DRAFT,
-                    speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
-}
+def configs(draft: str) -> dict:
+    return {
+        "plain": dict(speculative_algorithm="none"),
+        "chain3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                       speculative_num_steps=3, speculative_eagle_topk=1),
+        "tree4x8": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                        speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+    }
 
 
-def held_out_texts(stdlib: str, limit: int) -> list[tuple[str, str]]:
-    corpus = json.load(open(os.path.join(SHIPPED_TARGET, "corpus.json")))
+def held_out_texts(stdlib: str, limit: int, target: str = SHIPPED_TARGET) -> list[tuple[str, str]]:
+    corpus = json.load(open(os.path.join(target, "corpus.json")))
     files = corpus["heldout_file_list"]
     out = []
     for rel in files[:limit]:
@@ -114,12 +115,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speed-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--target", default=SHIPPED_TARGET, help="target folder (default: the shipped one)")
+    ap.add_argument("--draft", default=SHIPPED_DRAFT, help="EAGLE-3 folder (default: the shipped one)")
+    ap.add_argument("--skip-speed", action="store_true", help="acceptance and ast only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    llms = {name: LLM(SHIPPED_TARGET, **opts) for name, opts in CONFIGS.items()}
+    llms = {name: LLM(args.target, **opts) for name, opts in configs(args.draft).items()}
     tok = llms["plain"].tokenizer
-    texts = held_out_texts(args.stdlib, args.files)
+    texts = held_out_texts(args.stdlib, args.files, args.target)
     prompts = [tok.encode(t)[:args.prompt_tokens] for _, t in texts]
     report: dict = {"held_out_files": len(texts)}
     for name in ("chain3", "tree4x8"):
@@ -131,8 +135,9 @@ def main() -> None:
     parsed = sum(body_parses(h, ind, o.text, o.finish_reason == "length") for (h, ind), o in zip(headers, outs))
     report["ast_parse_rate"] = {"parsed": parsed, "total": len(headers)}
     print("ast parse rate", parsed, "/", len(headers), flush=True)
-    report["speed_concurrency_1"] = speed(llms, prompts[:args.speed_prompts], args.max_tokens, args.rounds)
-    print(json.dumps(report["speed_concurrency_1"], indent=1))
+    if not args.skip_speed:
+        report["speed_concurrency_1"] = speed(llms, prompts[:args.speed_prompts], args.max_tokens, args.rounds)
+        print(json.dumps(report["speed_concurrency_1"], indent=1))
     if args.out:
         json.dump(report, open(args.out, "w"), indent=1)
 

@@ -18,7 +18,8 @@ except ImportError:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    return triton is not None and x.is_cuda
+    """CUDA inference only: the kernels have no backward, so training keeps the PyTorch path."""
+    return triton is not None and x.is_cuda and not torch.is_grad_enabled()
 
 
 if triton is not None:
