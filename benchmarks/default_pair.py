@@ -27,10 +27,12 @@ from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
 def configs(draft: str) -> dict:
     return {
         "plain": dict(speculative_algorithm="none"),
-        "chain3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+        "chain3": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_policy="always",
                        speculative_num_steps=3, speculative_eagle_topk=1),
-        "tree4x8": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+        "tree4x8": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_policy="always",
                         speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+        "adaptive": dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                         speculative_num_steps=3, speculative_eagle_topk=1),
     }
 
 
@@ -53,7 +55,7 @@ def acceptance(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     drafts = s.num_drafts - drafts0
     per_pos = [(a - (pos0[i] if i < len(pos0) else 0)) / drafts for i, a in enumerate(s.accepted_per_position)]
     return {"mean_acceptance_length": 1 + (s.num_accepted_tokens - acc0) / drafts, "drafts": drafts,
-            "accepted_per_position": [round(p, 3) for p in per_pos]}
+            "accepted_per_position": [round(p, 3) for p in per_pos[:llm.engine.config.speculative.speculative_num_steps]]}
 
 
 def function_headers(texts: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:

@@ -326,7 +326,11 @@ def train(model, data, held, args, device, t_start):
 
 # ----------------------------------------------------------------------------- ast sanity eval
 def function_headers(held, n):
-    """n evenly spaced (prefix, def_source, indent) from held-out top-level / class-level defs."""
+    """n evenly spaced (prefix, def_source, indent, lead) from held-out top-level / class-level defs.
+
+    The prefix ends inside the indentation of the next body line, one space short (`lead`): the
+    pre-tokenizer gives an indentation's last space to the following word ("\n   " + " return"), so a
+    prompt ending at a newline would ask the model for a token boundary it never saw in training."""
     cands = []
     for rel, text in held:
         try:
@@ -344,7 +348,9 @@ def function_headers(held, n):
             if body[0].lineno == nd.lineno or (has_doc and len(body) < 2):
                 continue  # one-liners and docstring-only functions say nothing
             end = body[0].end_lineno if has_doc else body[0].lineno - 1
-            cands.append(("".join(lines[:end]), "".join(lines[nd.lineno - 1:end]), nd.col_offset))
+            first = body[1] if has_doc else body[0]
+            lead = " " * max(0, first.col_offset - 1)
+            cands.append(("".join(lines[:end]) + lead, "".join(lines[nd.lineno - 1:end]), nd.col_offset, lead))
     if not cands:
         return []
     n = min(n, len(cands))
@@ -373,17 +379,17 @@ def ast_eval(model, tok, held, args, device, max_prompt=384, max_new=128, batch=
     ok, examples = 0, []
     for i in range(0, len(items), batch):
         chunk = items[i:i + batch]
-        prompts = [tok.encode(p, add_special_tokens=False).ids[-max_prompt:] for p, _, _ in chunk]
+        prompts = [tok.encode(p, add_special_tokens=False).ids[-max_prompt:] for p, _, _, _ in chunk]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         with autocast(device):
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
                                  eos_token_id=0, pad_token_id=0)
-        for (prefix, header, indent), row in zip(chunk, out[:, width:].tolist()):
+        for (prefix, header, indent, lead), row in zip(chunk, out[:, width:].tolist()):
             truncated = 0 not in row
             row = row[:row.index(0)] if 0 in row else row
-            body = cut_completion(tok.decode(row, skip_special_tokens=True), indent, truncated)
+            body = cut_completion(lead + tok.decode(row, skip_special_tokens=True), indent, truncated)
             good = bool(body.strip())
             try:
                 ast.parse(textwrap.dedent(header + body))

@@ -52,6 +52,8 @@ class ExecutionConfig:
                                   ("auto", "torch", "triton"))
     enforce_eager: bool = _opt(False, "run every step eagerly (no CUDA graphs)")
     cuda_graph_max_bs: Optional[int] = _opt(None, "largest batch replayed from CUDA graphs (default: max_num_seqs)")
+    disable_overlap_schedule: bool = _opt(False, "finish each step before preparing the next (no overlap of "
+                                                 "host work with plain decode steps)")
 
 
 @dataclass(frozen=True)

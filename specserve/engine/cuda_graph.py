@@ -103,7 +103,8 @@ class GraphRunner:
         return (fits[0], q) if fits else None
 
     @torch.inference_mode()
-    def replay(self, key: tuple[int, int], step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def replay(self, key: tuple[int, int], step: StepInputs, resolve=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fill the static inputs from step (resolve: fills in tokens still on the device) and replay."""
         bs, q = key
         real, n = len(step.q_lens), len(step.ids)
         bsz = self.block_size
@@ -115,8 +116,10 @@ class GraphRunner:
         ints = torch.tensor([step.seq_lens + [0] * (bs - real),
                              [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],
                             dtype=torch.int32)  # [2, bs]
-        for buf, row in zip((self.ids, self.positions, self.slots), longs.to(self.device, non_blocking=True)):
-            buf[:n].copy_(row)
+        longs = longs.to(self.device, non_blocking=True)
+        self.ids[:n].copy_(resolve(longs[0]) if resolve is not None else longs[0])
+        self.positions[:n].copy_(longs[1])
+        self.slots[:n].copy_(longs[2])
         if any(t is not None for t in step.trees):
             self.tree_bits[:n].copy_(tree_bits(step.trees, step.q_lens, self.device))
         else:

@@ -28,6 +28,33 @@ log = logging.getLogger(__name__)
 Prompt = Union[str, list[int]]
 
 
+@dataclass
+class InFlight:
+    """A plain step launched on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # the sequences that sample, in row order
+    tokens: Optional[torch.Tensor]  # [len(seqs)] on the device
+    logprobs: list  # per sequence: TokenLogprob or None
+    host: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        if self.tokens is not None:
+            pinned = self.tokens.is_cuda
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=pinned)
+            self.host.copy_(self.tokens, non_blocking=pinned)
+            self.event = torch.cuda.Event() if pinned else None
+            if self.event is not None:
+                self.event.record()
+        self.logprobs = self.logprobs or [None] * len(self.seqs)
+
+    def host_tokens(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if getattr(self, "event", None) is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class RequestError(ValueError):
     """A request is invalid (the message names the problem); nothing else is affected."""
 
@@ -82,6 +109,8 @@ class LLMEngine:
         shapes = self.controller.shapes if self.controller is not None else [PLAIN]
         self.runner.capture_graphs(self.proposer.aux_layers if self.proposer else (),
                                    sorted({s.num_nodes for s in shapes}))
+        self.overlap = not config.execution.disable_overlap_schedule
+        self.inflight: Optional[InFlight] = None
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -133,7 +162,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     # ---- one step -----------------------------------------------------------------------------
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:
@@ -144,12 +173,17 @@ class LLMEngine:
         return shape.num_nodes, self.proposer.num_slots(shape)
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs it completed. With overlap on, a plain step returns the
+        outputs of the step before it, whose host work ran while this one was on the device."""
         start = time.perf_counter()
         if self.controller is not None:
             self.shape = self.controller.choose(max(1, len(self.scheduler.running)))
+        if self.overlap and self.shape.steps == 0:
+            return self._step_overlapped(start)
+        outputs = self._resolve(self.inflight) if self.inflight is not None else []
         batch = self.scheduler.schedule(self._decode_shape)
         if not batch:
-            return []
+            return outputs
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
         if speculating:
             t0 = time.perf_counter()
@@ -163,15 +197,68 @@ class LLMEngine:
             self.stats.spec.verify_time_s += time.perf_counter() - t0
         self.stats.num_steps += 1
         self.stats.spec.last_k = self.shape.k if speculating else 0
-        outputs = self._apply(batch, out)
+        outputs += self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         steady = not speculating or self.proposer.last_catch_up <= len(speculating) * (self.shape.steps + 1)
-        if self.controller is not None and steady and all(
-                item.seq.num_computed_tokens > item.seq.num_prompt_tokens or item.draft is not None for item in batch):
+        if steady and self._decoding_only(batch):
             # decode-only steps without a long catch-up teach the controller what each shape costs
-            used = self.shape if speculating else PLAIN
-            self.controller.record_step(len(batch), used, time.perf_counter() - start)
+            self._record(len(batch), self.shape if speculating else PLAIN, time.perf_counter() - start)
         return outputs
+
+    # ---- overlap: plain steps launch before the previous one's results are read --------------
+    def _step_overlapped(self, start: float) -> list[RequestOutput]:
+        batch = self.scheduler.schedule(self._decode_shape)
+        previous, self.inflight = self.inflight, None
+        if batch:
+            out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else ())
+            self.stats.num_steps += 1
+            self.stats.spec.last_k = 0
+            self.inflight = self._launch_sampling(batch, out)
+        outputs = self._resolve(previous) if previous is not None else []
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        if batch and self._decoding_only(batch):
+            self._record(len(batch), PLAIN, time.perf_counter() - start)
+        return outputs
+
+    def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput) -> "InFlight":
+        """Commit the batch's KV, sample on the device and start copying the tokens to the host."""
+        sampling = [i for i, item in enumerate(batch) if item.samples]
+        seqs = [batch[i].seq for i in sampling]
+        tokens = None
+        if seqs:
+            logits = out.logits[[out.rows[i][0] for i in sampling]]  # [len(seqs), vocab]
+            tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
+        for i, item in enumerate(batch):
+            self._count_prompt(item)
+            self._commit(item.seq, range(item.num_tokens), out, i)
+        for row, seq in enumerate(seqs):
+            seq.num_pending += 1
+            seq.pending_row = row
+        self.runner.pending_tokens = tokens
+        return InFlight(seqs, tokens, logprobs if seqs else [])
+
+    def _resolve(self, flight: "InFlight") -> list[RequestOutput]:
+        """Read an in-flight step's tokens and apply them: stop checks, outputs, releases."""
+        if self.inflight is flight:
+            self.inflight = None
+        if self.runner.pending_tokens is flight.tokens:
+            self.runner.pending_tokens = None
+        outputs = []
+        for seq, token, logprob in zip(flight.seqs, flight.host_tokens(), flight.logprobs):
+            seq.num_pending -= 1
+            if seq.finished:  # stopped (or aborted) while this step ran: its token is dropped
+                continue
+            self.stats.num_generation_tokens += seq.append_tokens([token], [logprob] if logprob else None)
+            outputs.append(self._finish_if_done(seq))
+        return outputs
+
+    def _decoding_only(self, batch: list[ScheduledSeq]) -> bool:
+        return self.controller is not None and all(
+            item.seq.num_computed_tokens > item.seq.num_prompt_tokens or item.draft is not None for item in batch)
+
+    def _record(self, batch_size: int, shape: Shape, seconds: float) -> None:
+        self.controller.record_step(batch_size, shape, seconds)
 
     def _apply(self, batch: list[ScheduledSeq], out: ForwardOutput) -> list[RequestOutput]:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
@@ -180,7 +267,7 @@ class LLMEngine:
         outputs = []
         for i, item in enumerate(batch):
             seq = item.seq
-            self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
+            self._count_prompt(item)
             if item.draft is not None:
                 tokens, logprobs = self._accept(item, out, i)
             else:
@@ -190,13 +277,21 @@ class LLMEngine:
                 token, logprob = sampled[i]
                 tokens, logprobs = [token], ([logprob] if logprob is not None else None)
             self.stats.num_generation_tokens += seq.append_tokens(tokens, logprobs)
-            outputs.append(self._output(seq))
-            if seq.finished:
-                self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
-            elif item.draft is not None:
+            outputs.append(self._finish_if_done(seq))
+            if not seq.finished and item.draft is not None:
                 self.blocks.truncate(seq, seq.num_tokens)
         return outputs
+
+    def _count_prompt(self, item: ScheduledSeq) -> None:
+        seq = item.seq
+        self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
+
+    def _finish_if_done(self, seq: Sequence) -> RequestOutput:
+        output = self._output(seq)
+        if seq.finished:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        return output
 
     def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> None:
         """The KV of these of the item's tokens is now part of seq; tell the proposer."""
@@ -223,6 +318,7 @@ class LLMEngine:
             rows = logits[verdict.path]
             logprobs = self.runner.logprobs(rows, torch.tensor(tokens, device=rows.device), [seq] * len(tokens))
         return tokens, logprobs
+
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,

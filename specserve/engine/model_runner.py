@@ -56,6 +56,7 @@ class ModelRunner:
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
         self.graphs: Optional[GraphRunner] = None
+        self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.backend = config.execution.attention_backend
         self.sampler = Sampler()
         torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
@@ -117,7 +118,10 @@ class ModelRunner:
                 step.logit_index.extend(range(len(step.ids) - n, len(step.ids)))
                 rows.append(range(first, first + n))
             else:
-                step.ids.extend(seq.token_ids[start:start + n])
+                known = seq.token_ids[start:start + n]
+                step.ids.extend(known)
+                if len(known) < n:  # the token the in-flight step is sampling: resolved on the device
+                    step.ids.append(-1 - seq.pending_row)
                 step.positions.extend(range(start, start + n))
                 step.trees.append(None)
                 rows.append(range(first, first + 1) if item.samples else range(0))
@@ -133,14 +137,20 @@ class ModelRunner:
         step, rows, offsets = self.prepare(batch)
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
-            logits, aux = self.graphs.replay(key, step)
+            logits, aux = self.graphs.replay(key, step, self.resolve_pending)
             return ForwardOutput(logits, rows, aux, offsets)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device, trees,
                               self.backend, self.group)
-        hidden, aux = self.model(self._ids(step.ids), self._ids(step.positions), meta, aux_layers)
+        hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
         return ForwardOutput(logits, rows, torch.cat(aux, dim=-1) if aux else None, offsets)
+
+    def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
+        """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device."""
+        if self.pending_tokens is None:
+            return ids
+        return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
         """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""

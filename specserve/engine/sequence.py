@@ -54,11 +54,13 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Optional[torch.Generator] = None
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
+        self.num_pending = 0  # tokens sampled on the device, not yet known here (overlap scheduling)
+        self.pending_row = -1  # where the pending token sits in the in-flight step's sampled tokens
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
@@ -100,7 +102,7 @@ class Sequence:
                 self.text += new
                 if self.params.stop and self._truncate_at_stop_string(len(new)):
                     return "stop"
-        if self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len:
+        if self.num_output_tokens >= self.params.max_tokens or len(self.token_ids) >= self.max_model_len:
             return "length"
         return None
 
