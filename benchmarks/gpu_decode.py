@@ -68,7 +68,7 @@ def roofline(arch: ArchConfig, batch: int, context: float, q: int, ceil: dict) -
 
 
 def specserve_part(args, arch, ceil) -> dict:
-    from specserve import LLM, SamplingParams
+    from specserve import LLM
     from specserve.engine.cuda_graph import GraphRunner
 
     max_bs = max(args.batches)
@@ -80,25 +80,20 @@ def specserve_part(args, arch, ceil) -> dict:
     out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
            "num_graphs": len(engine.runner.graphs.graphs), "decode": {}, "verify_cost": {}}
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
     for batch in args.batches:
-        for _ in range(batch):
-            ids = torch.randint(10, arch.vocab_size, (args.prompt_len,), generator=gen).tolist()
-            engine.add_request(ids, params)
-        decode_s, decode_tokens = 0.0, 0
-        while engine.has_unfinished():
-            all_decoding = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running) \
-                and not engine.scheduler.waiting
-            t = time.perf_counter()
-            outs = engine.step()
-            if all_decoding and len(outs) == batch:
-                decode_s += time.perf_counter() - t
-                decode_tokens += batch
-        tps = decode_tokens / decode_s
         best = batch / roofline(arch, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
-        out["decode"][batch] = {"tokens_per_s": tps, "roofline_tokens_per_s": best, "fraction": tps / best}
-        print(f"specserve batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}", flush=True)
+        row = {"roofline_tokens_per_s": best}
+        for overlap in (True, False):
+            engine.overlap = overlap
+            tps = decode_rate(engine, batch, args, arch, gen)
+            row["tokens_per_s" if overlap else "tokens_per_s_without_overlap"] = tps
+            print(f"specserve batch {batch} overlap {'on ' if overlap else 'off'}: {tps:,.0f} tok/s = "
+                  f"{tps / best:.0%} of roofline {best:,.0f}", flush=True)
+        row["fraction"] = row["tokens_per_s"] / best
+        out["decode"][batch] = row
+    engine.overlap = True
     runner = engine.runner
+    out["profile"] = {b: profile(runner.graphs, b) for b in (1, max_bs) if (b, 1) in runner.graphs.graphs}
     verify_bs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_bs]
     graphs = GraphRunner(runner.model, runner.block_size, max(verify_bs), runner.graphs.block_tables.shape[1],
                          [1, 2, 4, 8], (), runner.group, runner.scratch_slot, runner.device)
@@ -120,6 +115,47 @@ def specserve_part(args, arch, ceil) -> dict:
     del llm, engine, runner, graphs
     torch.cuda.empty_cache()
     return out
+
+
+def decode_rate(engine, batch: int, args, arch, gen) -> float:
+    """Output tokens/s of the engine's steps while all `batch` requests decode (prefill excluded)."""
+    from specserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(torch.randint(10, arch.vocab_size, (args.prompt_len,), generator=gen).tolist(), params)
+    decode_s, decode_tokens = 0.0, 0
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        all_decoding = len(running) == batch and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+        t = time.perf_counter()
+        outs = engine.step()
+        if all_decoding and len(outs) == batch:
+            decode_s += time.perf_counter() - t
+            decode_tokens += batch
+    return decode_tokens / decode_s
+
+
+def profile(graphs, batch: int) -> list[dict]:
+    """CUDA time per kernel name of one eager forward at this batch (1 token each), largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    graphs.seq_lens[:batch].fill_(64)
+    graphs._run(batch, 1)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graphs._run(batch, 1)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]
+    table = [{"kernel": e.key[:90], "calls_per_step": e.count / 3, "us_per_step": e.device_time_total / 3}
+             for e in rows]
+    total = sum(e.device_time_total for e in prof.key_averages()) / 3
+    print(f"profile batch {batch}: {total / 1e3:.2f} ms of kernels per step; top: " +
+          "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
+          flush=True)
+    return table
 
 
 def hf_part(args, arch, ceil) -> dict:

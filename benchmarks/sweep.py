@@ -3,6 +3,9 @@
     python benchmarks/sweep.py [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200]
                                [--model PATH --draft PATH] [--device cpu|cuda] [--out sweep.json]
 
+`--configs` picks among plain, chain, tree, threshold, adaptive and, to see what the overlap scheduler
+buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
+
 For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
 have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
 machine noise hits them alike. Reports output tokens/s per level and the ratio to plain, and for the
@@ -37,6 +40,9 @@ def configurations(draft: str) -> dict[str, dict]:
         "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
                           speculative_disable_batch_threshold=8),
         "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
+        "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
+        "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
+                              disable_overlap_schedule=True),
     }
 
 
