@@ -64,3 +64,19 @@ def test_threshold_and_always():
     c = Controller("threshold", SHAPES, threshold=8)
     assert c.choose(8) == SHAPES[-1] and c.choose(9) == PLAIN
     assert Controller("always", SHAPES).choose(500) == SHAPES[-1]
+
+
+def test_probes_back_off_while_the_choice_holds():
+    c = Controller("adaptive", SHAPES)
+    chosen = feed(c, 64, cost=lambda s: 0.010 * (1 + s.k), accept=0.2, steps=4000)
+    probes = sum(s != PLAIN for s in chosen[500:])
+    assert settled(chosen) == PLAIN
+    assert probes <= 6, f"{probes} probes in 3500 settled steps: each pays a draft catch-up"
+
+
+def test_an_outlier_step_does_not_flip_the_choice():
+    c = Controller("adaptive", SHAPES)
+    feed(c, 1, cost=lambda s: 0.010 * (1 + 0.03 * s.k), accept=0.9)
+    best = c.choose(1)
+    c.record_step(1, best, 0.5)  # one step fifty times dearer (a long catch-up, a hiccup of the machine)
+    assert c.choose(1) == best

@@ -132,4 +132,5 @@ class GraphRunner:
         self.graphs[key].replay()
         self.replays += 1
         logits, aux = self.outputs[key]
-        return logits[:n], (aux[:n] if aux is not None else None)
+        # the proposer keeps aux rows past this step and the next replay overwrites the static output
+        return logits[:n], (aux[:n].clone() if aux is not None else None)

@@ -35,22 +35,24 @@ class InFlight:
     seqs: list[Sequence]  # the sequences that sample, in row order
     tokens: Optional[torch.Tensor]  # [len(seqs)] on the device
     logprobs: list  # per sequence: TokenLogprob or None
-    host: Optional[torch.Tensor] = None
+    host: Optional[torch.Tensor] = None  # [len(seqs)] pinned on CUDA
+    event: Optional[torch.cuda.Event] = None  # recorded after the copy to `host`
 
     def __post_init__(self):
-        if self.tokens is not None:
-            pinned = self.tokens.is_cuda
-            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=pinned)
-            self.host.copy_(self.tokens, non_blocking=pinned)
-            self.event = torch.cuda.Event() if pinned else None
-            if self.event is not None:
-                self.event.record()
         self.logprobs = self.logprobs or [None] * len(self.seqs)
+
+    def start_copy(self, buffer: torch.Tensor, event: Optional[torch.cuda.Event]) -> None:
+        """Copy the tokens into buffer (a slice of a preallocated host buffer) without waiting."""
+        self.host = buffer[:len(self.seqs)]
+        self.host.copy_(self.tokens, non_blocking=event is not None)
+        self.event = event
+        if event is not None:
+            event.record()
 
     def host_tokens(self) -> list[int]:
         if self.tokens is None:
             return []
-        if getattr(self, "event", None) is not None:
+        if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
 
@@ -111,6 +113,11 @@ class LLMEngine:
                                    sorted({s.num_nodes for s in shapes}))
         self.overlap = not config.execution.disable_overlap_schedule
         self.inflight: Optional[InFlight] = None
+        on_cuda = self.runner.device.type == "cuda"
+        rows = config.scheduler.max_num_seqs
+        self.host_buffers = [torch.empty(rows, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
+        self.copy_events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+        self._flip = 0
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -236,7 +243,11 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
         self.runner.pending_tokens = tokens
-        return InFlight(seqs, tokens, logprobs if seqs else [])
+        flight = InFlight(seqs, tokens, logprobs if seqs else [])
+        if seqs:
+            self._flip = 1 - self._flip  # two host buffers: one being read, one being filled
+            flight.start_copy(self.host_buffers[self._flip], self.copy_events[self._flip])
+        return flight
 
     def _resolve(self, flight: "InFlight") -> list[RequestOutput]:
         """Read an in-flight step's tokens and apply them: stop checks, outputs, releases."""

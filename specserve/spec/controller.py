@@ -10,12 +10,17 @@ Policies:
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
-  bucket, shape) from live steps. Unmeasured shapes are tried in order of size until a larger one
-  has clearly lost, a switch needs a clear gain (hysteresis), and every `probe_every` steps a
-  neighbouring shape is probed so a dropped one can come back.
+  bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
+  and the one long catch-up that follows a plain phase). Unmeasured shapes are tried in order of
+  size until a larger one has clearly lost, a switch needs a clear gain (hysteresis), and a
+  neighbouring shape is probed so a dropped one can come back: after `probe_every` steps, and twice
+  as long after each probe that changed nothing (a probe of k > 0 after a plain phase pays the
+  draft's catch-up over the whole gap, so a settled choice should not pay it often).
 """
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -44,6 +49,22 @@ def bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
+class Window:
+    """The latest `size` samples; their median is the estimate."""
+
+    def __init__(self, size: int):
+        self.samples: deque[float] = deque(maxlen=size)
+        self.count = 0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples)
+
+
 class Ema:
     def __init__(self, alpha: float):
         self.alpha, self.value, self.count = alpha, 0.0, 0
@@ -55,7 +76,8 @@ class Ema:
 
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
-                 probe_every: int = 64, alpha: float = 0.2, min_samples: int = 2):
+                 probe_every: int = 64, alpha: float = 0.2, min_samples: int = 2, window: int = 9,
+                 max_probe_every: int = 4096):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
         self.policy = policy
@@ -66,10 +88,15 @@ class Controller:
         self.probe_every = probe_every
         self.alpha = alpha
         self.min_samples = min_samples
-        self.step_time: dict[tuple[int, Shape], Ema] = {}
+        self.window = window
+        self.max_probe_every = max_probe_every
+        self.step_time: dict[tuple[int, Shape], Window] = {}
         self.position_accept = [Ema(alpha) for _ in range(max(s.steps for s in shapes))]
         self.tree_tokens = Ema(alpha)
         self.current: dict[int, Shape] = {}
+        self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
+        self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
+        self.probed: dict[int, Shape] = {}  # per bucket: the choice when the last probe was made
         self.steps_taken = 0
 
     # ---- decisions ----------------------------------------------------------------------------
@@ -96,10 +123,21 @@ class Controller:
         if current in scores and scores[best] < scores[current] * (1 + self.hysteresis):
             best = current
         self.current[b] = best
-        if self.steps_taken % self.probe_every == 0:  # probe a neighbour so its estimates stay fresh
-            i = self.shapes.index(best)
-            return self.shapes[i + 1] if i + 1 < len(self.shapes) else self.shapes[max(0, i - 1)]
-        return best
+        return self._maybe_probe(b, best)
+
+    def _maybe_probe(self, b: int, best: Shape) -> Shape:
+        """Now and then, a neighbour of the best shape instead, so its estimates stay fresh."""
+        if b not in self.next_probe:
+            self.probe_gap[b] = self.probe_every
+            self.next_probe[b] = self.steps_taken + self.probe_every
+        if self.steps_taken < self.next_probe[b]:
+            return best
+        settled = self.probed.get(b) == best
+        self.probe_gap[b] = min(2 * self.probe_gap[b], self.max_probe_every) if settled else self.probe_every
+        self.next_probe[b] = self.steps_taken + self.probe_gap[b]
+        self.probed[b] = best
+        i = self.shapes.index(best)
+        return self.shapes[i + 1] if i + 1 < len(self.shapes) else self.shapes[max(0, i - 1)]
 
     def expected_tokens(self, shape: Shape) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
@@ -124,7 +162,7 @@ class Controller:
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
         key = (bucket(batch_size), shape)
-        self.step_time.setdefault(key, Ema(self.alpha)).add(seconds)
+        self.step_time.setdefault(key, Window(self.window)).add(seconds)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         if shape.topk > 1:
