@@ -105,3 +105,27 @@ def test_fused_elementwise_kernels(dtype):
     ref = q * cos + _rotate_half(q) * sin
     got = triton_ops.rotary_(q.clone(), pos, rot.cos, rot.sin)
     assert (got.float() - ref.float()).norm() / ref.float().norm() < tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_cache_write(dtype):
+    """q rotated in place and rotated k, v written to their slots, as rotary + cache scatter do."""
+    from specserve.layers import triton_ops
+    from specserve.layers.rotary import RotaryEmbedding, _rotate_half
+
+    dev, tol = torch.device("cuda"), (1e-6 if dtype == torch.float32 else 2e-2)
+    rot = RotaryEmbedding(128, 4096, 500000.0, None).to(dev)
+    qkv = torch.randn(9, (32 + 8 + 8) * 128, dtype=dtype, device=dev)  # views, as the model has them
+    q, k, v = qkv[:, :4096].view(9, 32, 128), qkv[:, 4096:5120].view(9, 8, 128), qkv[:, 5120:].view(9, 8, 128)
+    pos, slots = torch.randint(0, 4096, (9,), device=dev), torch.randperm(64, device=dev)[:9]
+    cos, sin = rot.cos[pos].unsqueeze(1).to(dtype), rot.sin[pos].unsqueeze(1).to(dtype)
+    want_q, want_k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    cache = torch.full((2, 64, 8, 128), float("nan"), dtype=dtype, device=dev)
+    triton_ops.rope_and_cache(q, k, v, pos, rot.cos, rot.sin, cache, slots)
+    assert (q.float() - want_q.float()).norm() / want_q.float().norm() < tol
+    assert (cache[0, slots].float() - want_k.float()).norm() / want_k.float().norm() < tol
+    assert torch.equal(cache[1, slots], v)
+    untouched = torch.ones(64, dtype=torch.bool, device=dev)
+    untouched[slots] = False
+    assert cache[:, untouched].isnan().all(), "wrote outside the given slots"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device import to_device
 from ..layers.triton_attention import TritonMetadata, block_q_for, tree_bits
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class GraphRunner:
         ints = torch.tensor([step.seq_lens + [0] * (bs - real),
                              [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],
                             dtype=torch.int32)  # [2, bs]
-        longs = longs.to(self.device, non_blocking=True)
+        longs = to_device(longs, torch.long, self.device)
         self.ids[:n].copy_(resolve(longs[0]) if resolve is not None else longs[0])
         self.positions[:n].copy_(longs[1])
         self.slots[:n].copy_(longs[2])
@@ -125,8 +126,8 @@ class GraphRunner:
         else:
             self.tree_bits[:n].zero_()
         self.slots[n:bs * q].fill_(self.scratch_slot)
-        self.block_tables[:real, :width].copy_(tables.to(self.device, non_blocking=True))
-        ints = ints.to(self.device, non_blocking=True)
+        self.block_tables[:real, :width].copy_(to_device(tables, torch.int32, self.device))
+        ints = to_device(ints, torch.int32, self.device)
         self.seq_lens[:bs].copy_(ints[0])
         self.tree_lens[:bs].copy_(ints[1])
         self.graphs[key].replay()

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from ..config import EngineConfig
+from ..device import to_device
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from .block_manager import BlockManager
@@ -233,7 +234,10 @@ class LLMEngine:
         seqs = [batch[i].seq for i in sampling]
         tokens = None
         if seqs:
-            logits = out.logits[[out.rows[i][0] for i in sampling]]  # [len(seqs), vocab]
+            rows = [out.rows[i][0] for i in sampling]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            logits = out.logits[rows[0]:rows[0] + len(rows)] if contiguous else \
+                out.logits[to_device(rows, torch.long, out.logits.device)]  # [len(seqs), vocab]
             tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
         for i, item in enumerate(batch):

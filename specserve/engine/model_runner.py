@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..config import EngineConfig
+from ..device import to_device
 from ..layers.attention import build_metadata
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
@@ -174,4 +175,4 @@ class ModelRunner:
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
 
     def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, torch.long, self.device)

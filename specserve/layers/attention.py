@@ -95,6 +95,9 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.kv_cache: Optional[torch.Tensor] = None  # [2, num_slots, kv_heads, head_dim], set by the runner
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_written: bool = False) -> torch.Tensor:
+        if kv_written:  # the caller already stored k and v in the cache (triton backend only)
+            return meta.attend(q, k, v, self.kv_cache, self.scale, kv_written=True)
         # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]
         return meta.attend(q, k, v, self.kv_cache, self.scale)

@@ -5,6 +5,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..device import to_device
 from ..sampling_params import SamplingParams
 
 
@@ -16,16 +17,16 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     uses the same function so that it accepts against exactly this distribution.
     """
     device = logits.device
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+    temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_k):
-        k = torch.tensor(top_k, device=device).unsqueeze(1)
+        k = to_device(top_k, torch.long, device).unsqueeze(1)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+        top_p = to_device([p.top_p for p in params], torch.float32, device).unsqueeze(1)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
@@ -33,7 +34,7 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+        min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
@@ -66,7 +67,7 @@ class Sampler:
         tokens = logits.argmax(-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.long, logits.device)
             sub_params = [params[i] for i in random_rows]
             sampled = sample_from_logits(filtered_logits(logits[rows], sub_params), [generators[i] for i in random_rows])
             tokens[rows] = sampled

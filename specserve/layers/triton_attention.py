@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from ..device import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -129,10 +131,11 @@ class TritonMetadata:
     page: int
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-               scale: float) -> torch.Tensor:
+               scale: float, kv_written: bool = False) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]
-        cache[0, self.slot_mapping] = k
-        cache[1, self.slot_mapping] = v
+        if not kv_written:
+            cache[0, self.slot_mapping] = k
+            cache[1, self.slot_mapping] = v
         out = torch.empty_like(q)
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
@@ -160,8 +163,8 @@ def tree_bitmask(tree: torch.Tensor) -> torch.Tensor:
 def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: torch.device) -> torch.Tensor:
     """[num_tokens] int64 bitmasks of a step's queries (0 for sequences without a tree)."""
     if all(t is not None for t in trees) and len({tuple(t.shape) for t in trees}) == 1:
-        return tree_bitmask(torch.stack(trees).to(device)).reshape(-1)
-    parts = [tree_bitmask(t.to(device)) if t is not None else torch.zeros(q, dtype=torch.long, device=device)
+        return tree_bitmask(to_device(torch.stack(trees), torch.bool, device)).reshape(-1)
+    parts = [tree_bitmask(to_device(t, torch.bool, device)) if t is not None else torch.zeros(q, dtype=torch.long, device=device)
              for t, q in zip(trees, q_lens)]
     return torch.cat(parts)
 
@@ -188,9 +191,9 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
         start += q
 
     def t(values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(values, dtype, device)
 
-    return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=tables.to(device, non_blocking=True),
+    return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables),
                           seq_lens=t(seq_lens), q_starts=t(q_starts), q_lens=t(q_lens),
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens), tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size)

@@ -66,6 +66,55 @@ if triton is not None:
         tl.store(base + HALF + d, (b * cos + a * sin).to(X.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+    @triton.jit
+    def _rope_and_cache(Q, K, V, KC, VC, Cos, Sin, Pos, Slots, stride_qt, stride_qh, stride_kt, stride_kh,
+                        stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        pos = tl.load(Pos + tok)
+        slot = tl.load(Slots + tok)
+        d = tl.arange(0, HALF)[None, :]
+        cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
+        sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
+        h = tl.arange(0, BLOCK_H)[:, None]
+        qmask = h < heads
+        qb = Q + tok * stride_qt + h * stride_qh
+        a = tl.load(qb + d, mask=qmask, other=0.0).to(tl.float32)
+        b = tl.load(qb + HALF + d, mask=qmask, other=0.0).to(tl.float32)
+        tl.store(qb + d, (a * cos - b * sin).to(Q.dtype.element_ty), mask=qmask)
+        tl.store(qb + HALF + d, (b * cos + a * sin).to(Q.dtype.element_ty), mask=qmask)
+        kh = tl.arange(0, BLOCK_KH)[:, None]
+        kmask = kh < kv_heads
+        kb = K + tok * stride_kt + kh * stride_kh
+        a = tl.load(kb + d, mask=kmask, other=0.0).to(tl.float32)
+        b = tl.load(kb + HALF + d, mask=kmask, other=0.0).to(tl.float32)
+        cb = KC + slot * stride_ct + kh * stride_ch
+        tl.store(cb + d, (a * cos - b * sin).to(KC.dtype.element_ty), mask=kmask)
+        tl.store(cb + HALF + d, (b * cos + a * sin).to(KC.dtype.element_ty), mask=kmask)
+        vb = V + tok * stride_vt + kh * stride_vh
+        vd = tl.arange(0, 2 * HALF)[None, :]
+        tl.store(VC + slot * stride_ct + kh * stride_ch + vd, tl.load(vb + vd, mask=kmask, other=0.0), mask=kmask)
+
+
+def can_rope_and_cache(q: torch.Tensor) -> bool:
+    half = q.shape[-1] // 2
+    return use_triton(q) and half >= 8 and half & (half - 1) == 0
+
+
+def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Rotate q in place and write rotated k and v to their cache slots, in one launch.
+    q [T, H, D], k and v [T, Hkv, D], cache [2, num_slots, Hkv, D], slots [T]."""
+    tokens, heads, head_dim = q.shape
+    if not tokens:
+        return
+    kc, vc = cache[0], cache[1]
+    _rope_and_cache[(tokens,)](q, k, v, kc, vc, cos, sin, positions, slots, q.stride(0), q.stride(1), k.stride(0),
+                               k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads, k.shape[1],
+                               HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]), num_warps=4)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

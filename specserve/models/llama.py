@@ -12,6 +12,7 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..layers import triton_ops
+from ..layers.triton_attention import TritonMetadata
 from .config import ArchConfig
 
 
@@ -35,8 +36,13 @@ class DecoderAttention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
+        if isinstance(meta, TritonMetadata) and triton_ops.can_rope_and_cache(q):
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache,
+                                      meta.slot_mapping)
+            out = self.attn(q, k, v, meta, kv_written=True)
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
 
