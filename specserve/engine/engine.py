@@ -66,15 +66,19 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(config, self.arch)
+        self.runner = ModelRunner(config, self.arch)  # under tensor parallelism: starts the other ranks
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size)
-        if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
-            raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
-                             f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
-                             f"or kv_cache_gb, or lower max_model_len")
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         spec = config.speculative
-        self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+        try:
+            if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
+                raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
+                                 f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
+                                 f"or kv_cache_gb, or lower max_model_len")
+            self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+        except BaseException:
+            self.runner.close()
+            raise
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.controller = Controller(spec.speculative_policy, candidate_shapes(
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
             spec.speculative_disable_batch_threshold) if spec.enabled else None
@@ -131,6 +135,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (they also end when this process exits)."""
+        self.runner.close()
 
     # ---- one step -----------------------------------------------------------------------------
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:

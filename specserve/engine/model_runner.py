@@ -1,4 +1,8 @@
-"""The model runner owns the model, the KV cache tensors and the sampler, and runs one step."""
+"""The model runner owns the model, the KV cache tensors and the sampler, and runs one step.
+
+Under tensor parallelism every rank has one on its shard; rank 0 sends each call that touches the model
+or the KV cache to the other ranks first (`_everywhere`), as plain inputs each rank turns into tensors.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,9 +13,11 @@ import torch
 
 from ..config import EngineConfig
 from ..layers.attention import build_metadata
+from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
 from ..spec.tree import DraftTree
+from .distributed import Ranks
 from .sequence import Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -45,20 +51,52 @@ class ForwardOutput:
     token_offsets: list[int]  # per batch item, the flat index of its first token
 
 
+@dataclass
+class StepInputs:
+    """One forward's inputs as plain data (what rank 0 sends the other ranks)."""
+
+    ids: list[int]  # [num_tokens]
+    positions: list[int]  # [num_tokens]
+    q_lens: list[int]  # per batch item, its tokens this step
+    seq_lens: list[int]  # per batch item, its length once they are in
+    block_tables: list[list[int]]
+    trees: Optional[list[Optional[torch.Tensor]]]  # per batch item, a [n, n] bool ancestor mask or None
+    logit_index: list[int]  # the tokens whose logits are computed
+    aux_layers: tuple[int, ...]
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ArchConfig):
+    def __init__(self, config: EngineConfig, arch: ArchConfig, ranks: Optional[Ranks] = None):
+        """`ranks`: this rank's tensor-parallel group; rank 0 passes none and starts the group itself when
+        tensor_parallel_size > 1 (and closes it again if anything below fails)."""
+        if ranks is None and config.parallel.tensor_parallel_size > 1:
+            ranks = Ranks.start(config)
         self.config = config
         self.arch = arch
-        self.device = torch.device(config.model.device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks else torch.device(config.model.device)
         self.dtype = DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
+        self.draft_embedding = None  # rank 0 with speculation: the target's embedding, whole (EAGLE-3 reads it)
         self.sampler = Sampler()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config, ranks = self.config, self.ranks
         torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
-        self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
-                                config.model.seed)
-        self.num_blocks = self._kv_blocks()
+        with building(ranks.tp if ranks else WHOLE):
+            self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
+                                    config.model.seed)
+        self.num_blocks = ranks.min(self._kv_blocks()) if ranks else self._kv_blocks()
+        if config.speculative.enabled:  # the draft head runs on rank 0 alone
+            embedding = self.model.model.embed_tokens.whole()
+            self.draft_embedding = embedding if not ranks or ranks.rank == 0 else None
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
         # [layers, k/v, slots, kv_heads, head_dim]
@@ -85,7 +123,22 @@ class ModelRunner:
         return max(1, min(int(budget // per_block), useful))
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the tensor-parallel group broke (a rank exited), or None."""
+        return self.ranks.failure if self.ranks else None
+
+    def close(self) -> None:
+        """End the other ranks (tensor parallelism); nothing to do on one device."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def _everywhere(self, method: str, *args):
+        """Run self.method(*args) here, after sending the call to every other rank."""
+        if self.ranks is not None:
+            self.ranks.send((method, args))
+        return getattr(self, method)(*args)
+
     def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         ids, positions, q_lens, seq_lens, trees, logit_index, rows, offsets = [], [], [], [], [], [], [], []
         for item in batch:
@@ -108,11 +161,20 @@ class ModelRunner:
                     logit_index.append(len(ids) - 1)
             q_lens.append(n)
             seq_lens.append(start + n)
-        meta = build_metadata(q_lens, seq_lens, [item.seq.block_table for item in batch], self.block_size,
-                              self.device, trees if any(t is not None for t in trees) else None)
-        hidden, aux = self.model(self._ids(ids), self._ids(positions), meta, aux_layers)
-        logits = self.model.compute_logits(hidden[self._ids(logit_index)]).float()
-        return ForwardOutput(logits, rows, torch.cat(aux, dim=-1) if aux else None, offsets)
+        step = StepInputs(ids, positions, q_lens, seq_lens, [item.seq.block_table for item in batch],
+                          trees if any(t is not None for t in trees) else None, logit_index, aux_layers)
+        logits, aux = self._everywhere("run", step)
+        return ForwardOutput(logits, rows, aux, offsets)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The model on one step: logits [len(logit_index), vocab] fp32 and the auxiliary hidden states
+        [num_tokens, aux_dim] (None without aux_layers)."""
+        meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
+                              step.trees)
+        hidden, aux = self.model(self._ids(step.ids), self._ids(step.positions), meta, step.aux_layers)
+        logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
+        return logits, torch.cat(aux, dim=-1) if aux else None
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
         """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""
@@ -132,7 +194,10 @@ class ModelRunner:
     def move_kv(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
         """Copy the KV of seq's token indices src to indices dst, in every layer (tree compaction)."""
         slot = lambda i: seq.block_table[i // self.block_size] * self.block_size + i % self.block_size  # noqa: E731
-        s, d = self._ids([slot(i) for i in src]), self._ids([slot(i) for i in dst])
+        self._everywhere("copy_slots", [slot(i) for i in src], [slot(i) for i in dst])
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        s, d = self._ids(src), self._ids(dst)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
 
     def _ids(self, values: list[int]) -> torch.Tensor:
