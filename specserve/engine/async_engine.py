@@ -126,5 +126,6 @@ class AsyncEngine:
         except BaseException as e:  # fatal: fail every stream, refuse new work
             log.exception("engine step failed")
             self.error = e
+            self.engine.close()  # other tensor-parallel ranks may wait inside the failed step: end them
             for request_id in list(self._streams):
                 self._deliver(request_id, e)

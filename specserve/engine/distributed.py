@@ -25,6 +25,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,7 @@ START_TIMEOUT = datetime.timedelta(minutes=10)  # ranks loading their shards, or
 STEP_TIMEOUT = datetime.timedelta(minutes=10)  # one collective of the model
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # a worker waiting for rank 0's next call
 STOP_WAIT_S = 5.0  # a closed worker's time to exit before it is killed
+MESSAGE_BYTES = 1 << 16  # one broadcast carries a call this long (length included); longer ones take two
 
 
 def launcher_rank() -> Optional[int]:
@@ -57,6 +59,19 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
+def _await_ranks(store, size: int, workers: list[subprocess.Popen]) -> None:
+    """Wait until every rank is about to join the groups (which hold the GIL while they wait for all ranks),
+    failing at once if a worker this rank started exits first."""
+    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+    while not store.check([f"up/{r}" for r in range(size)]):
+        for rank, proc in enumerate(workers, 1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {proc.returncode} while starting")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every tensor-parallel rank started within {START_TIMEOUT}")
+        time.sleep(0.02)
+
+
 class Ranks:
     """The tensor-parallel group as one rank sees it: `tp` for the layers, `send` / `receive` for calls."""
 
@@ -66,7 +81,14 @@ class Ranks:
         self.workers = list(workers)  # the processes of ranks 1..N-1 when this rank started them
         self._closed = False
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one message at a time on the control group
         self.device = rank_device(config, rank)
+        self._threads = torch.get_num_threads()
+        if self.device.type == "cpu":  # the ranks share the cores
+            torch.set_num_threads(max(1, self._threads // self.size))
+        store.set(f"up/{rank}", "1")
+        if rank == 0:
+            _await_ranks(store, self.size, self.workers)
         control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, self.size, IDLE_TIMEOUT)
         if self.device.type == "cuda":
             data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, self.size)
@@ -114,17 +136,29 @@ class Ranks:
         """Rank 0: hand `message` to every other rank (they get it from `receive`)."""
         if self.failure is not None:
             raise RuntimeError(f"tensor parallelism is broken: {self.failure}")
-        payload = torch.frombuffer(bytearray(pickle.dumps(message)), dtype=torch.uint8)
-        self.control.broadcast(torch.tensor([payload.numel()]), 0).wait()
-        self.control.broadcast(payload, 0).wait()
+        data = pickle.dumps(message)
+        head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)  # [length: 8 bytes little-endian][data...]
+        head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        first = min(len(data), MESSAGE_BYTES - 8)
+        if first:
+            head[8:8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+        with self._send_lock:
+            self.control.broadcast(head, 0).wait()
+            if len(data) > first:
+                self.control.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8), 0).wait()
 
     def receive(self) -> Any:
         """Ranks 1..N-1: the next message rank 0 sent."""
-        length = torch.zeros(1, dtype=torch.long)
-        self.control.broadcast(length, 0).wait()
-        payload = torch.empty(int(length), dtype=torch.uint8)
-        self.control.broadcast(payload, 0).wait()
-        return pickle.loads(payload.numpy().tobytes())
+        head = torch.empty(MESSAGE_BYTES, dtype=torch.uint8)
+        self.control.broadcast(head, 0).wait()
+        raw = head.numpy().tobytes()
+        length = int.from_bytes(raw[:8], "little")
+        data = raw[8:8 + length]
+        if length > len(data):
+            rest = torch.empty(length - len(data), dtype=torch.uint8)
+            self.control.broadcast(rest, 0).wait()
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def min(self, value: int) -> int:
         """The smallest of every rank's value (a collective)."""
@@ -151,6 +185,7 @@ class Ranks:
                 return
             self._closed = True
         atexit.unregister(self.close)
+        torch.set_num_threads(self._threads)
         if self.rank == 0 and not self.workers and self.failure is None:
             try:  # ranks started by a launcher: ask them to stop
                 self.send(None)
