@@ -14,9 +14,11 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.layers.parallel import TensorParallel
 
-from .conftest import make_hf_checkpoint, make_llm, mixed_prompts
+from .conftest import DEVICE, make_hf_checkpoint, make_llm, mixed_prompts
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or (DEVICE["name"] == "cuda" and torch.cuda.device_count() < 2),
+    reason="needs torch.distributed, and two GPUs on CUDA")
 
 TEXT_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def"]
 
@@ -215,8 +217,9 @@ def tiny(tmp_path_factory) -> str:
 def test_server_on_two_ranks_serves_and_stops_cleanly(tmp_path, tiny):
     from .test_server import MODEL, ServerProcess
 
-    [expected] = LLM(tiny).generate(["def fibonacci(n):"], greedy(16))
-    srv = ServerProcess(tmp_path / "server.log", "--model", tiny, "--tp", "2")
+    [expected] = make_llm(tiny).generate(["def fibonacci(n):"], greedy(16))
+    srv = ServerProcess(tmp_path / "server.log", "--model", tiny, "--tp", "2", "--device", DEVICE["name"],
+                        "--dtype", "float32")
     try:
         srv.wait_ready()
         r = srv.client().completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=16, temperature=0,
@@ -229,7 +232,8 @@ def test_server_on_two_ranks_serves_and_stops_cleanly(tmp_path, tiny):
 def test_a_killed_rank_ends_the_server_nonzero_within_seconds(tmp_path, tiny):
     from .test_server import MODEL, ServerProcess, children
 
-    srv = ServerProcess(tmp_path / "server.log", "--model", tiny, "--tp", "2")
+    srv = ServerProcess(tmp_path / "server.log", "--model", tiny, "--tp", "2", "--device", DEVICE["name"],
+                        "--dtype", "float32")
     try:
         srv.wait_ready()
         kids = children(srv.proc.pid)

@@ -172,7 +172,8 @@ class ModelRunner:
         [num_tokens, aux_dim] (None without aux_layers)."""
         meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
                               step.trees)
-        hidden, aux = self.model(self._ids(step.ids), self._ids(step.positions), meta, step.aux_layers)
+        aux_layers = step.aux_layers if not self.ranks or self.ranks.rank == 0 else ()  # the draft is rank 0's
+        hidden, aux = self.model(self._ids(step.ids), self._ids(step.positions), meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
         return logits, torch.cat(aux, dim=-1) if aux else None
 
