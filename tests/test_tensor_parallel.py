@@ -59,6 +59,32 @@ def test_two_ranks_equal_one(arch, hf_models, few_kv_heads):
         llm.engine.close()
 
 
+def test_shards_and_refusals_of_each_rank():
+    """Rank 1 of 2 takes the second half of q and of the MLP's parts, the one KV head whole, the second half
+    of the vocabulary (padded); a checkpoint tensor of the wrong height is refused at any rank."""
+    from specserve.layers.embedding import VocabParallelEmbedding
+    from specserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ShapeMismatch
+    from specserve.layers.parallel import building
+
+    with building(TensorParallel(rank=1, size=2)):
+        qkv = QKVParallelLinear(hidden=3, head_dim=2, num_heads=4, num_kv_heads=1)
+        mlp = MergedColumnParallelLinear(3, [4, 4])
+        embed = VocabParallelEmbedding(5, 3)
+    rows = lambda n: torch.arange(n, dtype=torch.float32)[:, None].expand(n, 3)  # noqa: E731  row i = i
+    for part, n in (("q", 8), ("k", 2), ("v", 2)):
+        qkv.load(qkv.weight, rows(n), part)
+    assert qkv.weight[:, 0].tolist() == [4, 5, 6, 7, 0, 1, 0, 1]  # q heads 2-3, then the shared k and v
+    mlp.load(mlp.weight, rows(4), 0)
+    mlp.load(mlp.weight, rows(4) + 10, 1)
+    assert mlp.weight[:, 0].tolist() == [2, 3, 12, 13]
+    embed.load(embed.weight, rows(5))
+    assert embed.weight[:, 0].tolist() == [3, 4, 0]  # rows 3-4 and a zero pad
+    with pytest.raises(ShapeMismatch):
+        qkv.load(qkv.weight, rows(10), "q")
+    with pytest.raises(ShapeMismatch):
+        mlp.load(mlp.weight, rows(6), 1)
+
+
 @pytest.fixture(scope="module")
 def default_plain() -> list[list[int]]:
     """The shipped target's greedy tokens on one rank without speculation: what every run must match."""

@@ -72,6 +72,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def load(self, param, loaded, shard_id: int):
+        if loaded.shape[0] != self.out_sizes[shard_id]:
+            raise ShapeMismatch(f"merged linear part {shard_id}: expected {self.out_sizes[shard_id]} rows, "
+                                f"checkpoint has {tuple(loaded.shape)}")
         world = self.tp.size
         offset = sum(self.out_sizes[:shard_id]) // world
         size = self.out_sizes[shard_id] // world
@@ -90,6 +93,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         if num_kv_heads % world and world % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads neither divide nor replicate over {world} ranks")
         self.head_dim = head_dim
+        self.full_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         self.num_heads = num_heads // world
         self.num_kv_heads = max(1, num_kv_heads // world)
         self.kv_replicas = max(1, world // num_kv_heads)
@@ -106,8 +110,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
             size, start = kv_size, (self.tp.rank // self.kv_replicas) * kv_size
-        if loaded.shape[0] < start + size:
-            raise ShapeMismatch(f"{shard_id}_proj: checkpoint has {loaded.shape[0]} rows, expected >= {start + size}")
+        if loaded.shape[0] != self.full_rows[shard_id]:
+            raise ShapeMismatch(f"{shard_id}_proj: expected {self.full_rows[shard_id]} rows, checkpoint has "
+                                f"{tuple(loaded.shape)}")
         copy_checked(param.data.narrow(0, offset, size), loaded[start:start + size], f"{shard_id}_proj")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
