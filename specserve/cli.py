@@ -20,7 +20,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             caster = {"int": int, "float": float}.get(kind, str)
             group.add_argument(flag, dest=name, type=caster, default=None, choices=f.metadata.get("choices"),
                                help=help_text)
-    parser.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None, help=argparse.SUPPRESS)
+    group.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None,
+                       help="same as --tensor-parallel-size")
+
+
+def launched_worker(config: EngineConfig) -> int | None:
+    """Under torchrun, ranks other than 0 serve rank 0's engine instead: their exit code; None on rank 0."""
+    from .engine.distributed import launcher_rank
+
+    if not launcher_rank():
+        return None
+    from .engine.worker import run_launched
+
+    return run_launched(config)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -43,7 +55,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.engine import LLMEngine
     from .sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig.from_options(**engine_options(args)))
+    config = EngineConfig.from_options(**engine_options(args))
+    code = launched_worker(config)
+    if code is not None:
+        return code
+    engine = LLMEngine(config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed if args.temperature > 0 else None, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = args.prompt
@@ -77,6 +93,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = server_options(args)
     config = EngineConfig.from_options(**engine_options(args))
+    code = launched_worker(config)
+    if code is not None:
+        return code
     try:
         from .server.serve import run
     except ImportError as e:

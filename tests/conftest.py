@@ -36,12 +36,12 @@ def engine_options(**options) -> dict:
 
 
 def make_hf_checkpoint(path: str, arch: str, seed: int = 0, vocab: int = 256, layers: int = 3,
-                       tie: bool = False, rope_scaling: dict | None = None) -> str:
+                       tie: bool = False, rope_scaling: dict | None = None, kv_heads: int = 2) -> str:
     """Save a tiny random transformers model of the given family to `path`; return path."""
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=112, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   rms_norm_eps=1e-5, tie_word_embeddings=tie, eos_token_id=1, bos_token_id=0,
                   initializer_range=0.25)
     if arch == "llama":

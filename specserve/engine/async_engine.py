@@ -2,7 +2,8 @@
 
 Callers `submit` a request and iterate its `RequestOutput`s; cancelling the iteration (a client that
 went away) aborts the request and frees its KV at once. A failure inside a step is fatal: every stream
-gets the error, `healthy` turns False, and new requests are refused. It is never silently retried.
+gets the error, `healthy` turns False, and new requests are refused. It is never silently retried. A lost
+tensor-parallel rank (`rank_failure`) is fatal too, even while no step runs.
 """
 from __future__ import annotations
 
@@ -38,7 +39,12 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive() and self.rank_failure is None
+
+    @property
+    def rank_failure(self) -> Optional[str]:
+        """Why a tensor-parallel rank is gone, or None; the engine cannot recover from it."""
+        return self.engine.runner.failure
 
     @property
     def tokenizer(self):
@@ -79,6 +85,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.close()
 
     def _command(self, cmd) -> None:
         self._commands.put(cmd)
@@ -119,5 +126,6 @@ class AsyncEngine:
         except BaseException as e:  # fatal: fail every stream, refuse new work
             log.exception("engine step failed")
             self.error = e
+            self.engine.close()  # other tensor-parallel ranks may wait inside the failed step: end them
             for request_id in list(self._streams):
                 self._deliver(request_id, e)

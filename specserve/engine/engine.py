@@ -96,23 +96,28 @@ class LLMEngine:
         self.eos_token_ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self.runner = ModelRunner(config, self.arch)
+        self.runner = ModelRunner(config, self.arch)  # under tensor parallelism: starts the other ranks
         self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size)
-        if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
-            raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
-                             f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
-                             f"or kv_cache_gb, or lower max_model_len")
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         spec = config.speculative
-        self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
-        self.controller = Controller(spec.speculative_policy, candidate_shapes(
-            spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
-            spec.speculative_disable_batch_threshold) if spec.enabled else None
+        try:
+            if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
+                raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
+                                 f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
+                                 f"or kv_cache_gb, or lower max_model_len")
+            self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+            self.controller = Controller(spec.speculative_policy, candidate_shapes(
+                spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
+                spec.speculative_disable_batch_threshold) if spec.enabled else None
+            shapes = self.controller.shapes if self.controller is not None else [PLAIN]
+            self.runner.capture_graphs(self.proposer.aux_layers if self.proposer else (),
+                                       sorted({s.num_nodes for s in shapes}))
+        except BaseException:
+            self.runner.close()
+            raise
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.shape: Shape = PLAIN
-        shapes = self.controller.shapes if self.controller is not None else [PLAIN]
-        self.runner.capture_graphs(self.proposer.aux_layers if self.proposer else (),
-                                   sorted({s.num_nodes for s in shapes}))
-        self.overlap = not config.execution.disable_overlap_schedule
+        # other ranks run each step from plain inputs: a token still on rank 0's device cannot be sent
+        self.overlap = not config.execution.disable_overlap_schedule and config.parallel.tensor_parallel_size == 1
         self.inflight: Optional[InFlight] = None
         on_cuda = self.runner.device.type == "cuda"
         rows = config.scheduler.max_num_seqs
@@ -171,6 +176,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks (they also end when this process exits)."""
+        self.runner.close()
 
     # ---- one step -----------------------------------------------------------------------------
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:

@@ -1,4 +1,8 @@
-"""The model runner owns the model, the KV cache tensors and the sampler, and runs one step."""
+"""The model runner owns the model, the KV cache tensors and the sampler, and runs one step.
+
+Under tensor parallelism every rank has one on its shard; rank 0 sends each call that touches the model
+or the KV cache to the other ranks first (`_everywhere`), as plain inputs each rank turns into tensors.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,10 +14,12 @@ import torch
 from ..config import EngineConfig
 from ..device import to_device
 from ..layers.attention import build_metadata
+from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
 from ..spec.tree import DraftTree
 from .cuda_graph import GraphRunner, StepInputs
+from .distributed import Ranks
 from .sequence import Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -48,22 +54,40 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, arch: ArchConfig):
+    def __init__(self, config: EngineConfig, arch: ArchConfig, ranks: Optional[Ranks] = None):
+        """`ranks`: this rank's tensor-parallel group; rank 0 passes none and starts the group itself when
+        tensor_parallel_size > 1 (and closes it again if anything below fails)."""
+        if ranks is None and config.parallel.tensor_parallel_size > 1:
+            ranks = Ranks.start(config)
         self.config = config
         self.arch = arch
-        self.device = torch.device(config.model.device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks else torch.device(config.model.device)
         self.dtype = DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
         self.kv_cache: Optional[torch.Tensor] = None
         self.num_blocks = 0
+        self.draft_embedding = None  # rank 0 with speculation: the target's embedding, whole (EAGLE-3 reads it)
         self.graphs: Optional[GraphRunner] = None
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.backend = config.execution.attention_backend
         self.sampler = Sampler()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config, ranks = self.config, self.ranks
         torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
-        self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
-                                config.model.seed)
-        self.num_blocks = self._kv_blocks()
+        with building(ranks.tp if ranks else WHOLE):
+            self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
+                                    config.model.seed)
+        self.num_blocks = ranks.min(self._kv_blocks()) if ranks else self._kv_blocks()
+        if config.speculative.enabled:  # the draft head runs on rank 0 alone
+            embedding = self.model.model.embed_tokens.whole()
+            self.draft_embedding = embedding if not ranks or ranks.rank == 0 else None
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
         self.group = layers[0].num_heads // kv_heads
@@ -93,9 +117,9 @@ class ModelRunner:
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def capture_graphs(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
-        """Capture decode/verify graphs (CUDA with the triton backend, unless enforce_eager)."""
+        """Capture decode/verify graphs (one CUDA device with the triton backend, unless enforce_eager)."""
         ex = self.config.execution
-        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton":
+        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton" or self.ranks:
             return
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
@@ -103,6 +127,22 @@ class ModelRunner:
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the tensor-parallel group broke (a rank exited), or None."""
+        return self.ranks.failure if self.ranks else None
+
+    def close(self) -> None:
+        """End the other ranks (tensor parallelism); nothing to do on one device."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def _everywhere(self, method: str, *args):
+        """Run self.method(*args) here, after sending the call to every other rank."""
+        if self.ranks is not None:
+            self.ranks.send((method, args))
+        return getattr(self, method)(*args)
+
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[StepInputs, list[range], list[int]]:
         """Flatten a batch into step inputs, each item's logits rows and each item's first token index."""
         step = StepInputs([], [], [], [], [], [], [])
@@ -133,22 +173,30 @@ class ModelRunner:
             step.block_tables.append(seq.block_table)
         return step, rows, offsets
 
-    @torch.inference_mode()
     def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         step, rows, offsets = self.prepare(batch)
+        logits, aux = self._everywhere("run", step, aux_layers)
+        return ForwardOutput(logits, rows, aux, offsets)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The model on one step: logits [len(logit_index), vocab] fp32 and the auxiliary hidden states
+        [num_tokens, aux_dim] (None without aux_layers); from a CUDA graph when one fits."""
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
-            logits, aux = self.graphs.replay(key, step, self.resolve_pending)
-            return ForwardOutput(logits, rows, aux, offsets)
+            return self.graphs.replay(key, step, self.resolve_pending)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device, trees,
                               self.backend, self.group)
-        hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta, aux_layers)
+        aux_layers = aux_layers if not self.ranks or self.ranks.rank == 0 else ()  # the draft is rank 0's
+        hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta,
+                                 aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
-        return ForwardOutput(logits, rows, torch.cat(aux, dim=-1) if aux else None, offsets)
+        return logits, torch.cat(aux, dim=-1) if aux else None
 
     def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
-        """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device."""
+        """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device
+        (overlap scheduling, one rank only)."""
         if self.pending_tokens is None:
             return ids
         return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])
@@ -171,7 +219,10 @@ class ModelRunner:
     def move_kv(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
         """Copy the KV of seq's token indices src to indices dst, in every layer (tree compaction)."""
         slot = lambda i: seq.block_table[i // self.block_size] * self.block_size + i % self.block_size  # noqa: E731
-        s, d = self._ids([slot(i) for i in src]), self._ids([slot(i) for i in dst])
+        self._everywhere("copy_slots", [slot(i) for i in src], [slot(i) for i in dst])
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        s, d = self._ids(src), self._ids(dst)
         self.kv_cache[:, :, d] = self.kv_cache[:, :, s]
 
     def _ids(self, values: list[int]) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import copy_checked
-from .parallel import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from .parallel import WHOLE, building, current
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -14,9 +14,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int):
         super().__init__()
+        self.tp = current()
         self.vocab_size = vocab_size
-        self.shard = -(-vocab_size // tp_size())
-        self.start = tp_rank() * self.shard
+        self.shard = -(-vocab_size // self.tp.size)
+        self.start = self.tp.rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
         self.weight.weight_loader = self.load
 
@@ -28,13 +29,24 @@ class VocabParallelEmbedding(nn.Module):
         param.data.zero_()
         copy_checked(param.data.narrow(0, 0, rows.shape[0]), rows, "embedding")
 
+    def whole(self) -> "VocabParallelEmbedding":
+        """An unsharded copy, for a module that runs on one rank alone (the EAGLE-3 draft head). A collective:
+        every rank calls it (ranks other than 0 may drop the result)."""
+        if self.tp.size == 1:
+            return self
+        full = self.tp.all_gather(self.weight.data, dim=0)[:self.vocab_size]  # [vocab, hidden]
+        with building(WHOLE):
+            copy = VocabParallelEmbedding(self.vocab_size, 0)
+        copy.weight = nn.Parameter(full, requires_grad=False)
+        return copy
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        if tp_size() == 1:
+        if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         inside = (local >= 0) & (local < self.shard)
         out = F.embedding(local.clamp(0, self.shard - 1), self.weight) * inside.unsqueeze(-1)
-        return all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -42,6 +54,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         logits = F.linear(hidden, self.weight)
-        if tp_size() > 1:
-            logits = all_gather_last_dim(logits)
+        logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

@@ -1,5 +1,6 @@
 """Linear layers written for tensor parallelism; plain `x @ W.T (+ b)` at world size 1.
 
+A layer is a shard of the `TensorParallel` state current when it is built (see `parallel.building`).
 Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies a full checkpoint
 tensor's slice for this rank into it, checking shapes; the model loader calls it by parameter name.
 """
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import all_reduce, shard_range, tp_rank, tp_size
+from .parallel import current
 
 
 class ShapeMismatch(ValueError):
@@ -30,6 +31,7 @@ def _attach(param: nn.Parameter | None, loader) -> None:
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.tp = current()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -52,13 +54,13 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         self.full_out = out_features
-        start, end = shard_range(out_features)
+        start, end = current().shard_range(out_features)
         super().__init__(in_features, end - start, bias)
         _attach(self.weight, self.load)
         _attach(self.bias, self.load)
 
     def load(self, param, loaded, shard_id=None):
-        start, end = shard_range(loaded.shape[0])
+        start, end = self.tp.shard_range(loaded.shape[0])
         copy_checked(param, loaded[start:end], "column-parallel linear")
 
 
@@ -70,10 +72,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
 
     def load(self, param, loaded, shard_id: int):
-        world = tp_size()
+        if loaded.shape[0] != self.out_sizes[shard_id]:
+            raise ShapeMismatch(f"merged linear part {shard_id}: expected {self.out_sizes[shard_id]} rows, "
+                                f"checkpoint has {tuple(loaded.shape)}")
+        world = self.tp.size
         offset = sum(self.out_sizes[:shard_id]) // world
         size = self.out_sizes[shard_id] // world
-        start, end = shard_range(self.out_sizes[shard_id])
+        start, end = self.tp.shard_range(self.out_sizes[shard_id])
         copy_checked(param.data.narrow(0, offset, size), loaded[start:end], f"merged linear part {shard_id}")
 
 
@@ -82,12 +87,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     replicated when there are fewer KV heads than ranks."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        world = tp_size()
+        world = current().size
         if num_heads % world:
             raise ValueError(f"{num_heads} attention heads do not divide over {world} ranks")
         if num_kv_heads % world and world % num_kv_heads:
             raise ValueError(f"{num_kv_heads} KV heads neither divide nor replicate over {world} ranks")
         self.head_dim = head_dim
+        self.full_rows = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
         self.num_heads = num_heads // world
         self.num_kv_heads = max(1, num_kv_heads // world)
         self.kv_replicas = max(1, world // num_kv_heads)
@@ -100,12 +106,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            offset, size, start = 0, q_size, tp_rank() * q_size
+            offset, size, start = 0, q_size, self.tp.rank * q_size
         else:
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, (tp_rank() // self.kv_replicas) * kv_size
-        if loaded.shape[0] < start + size:
-            raise ShapeMismatch(f"{shard_id}_proj: checkpoint has {loaded.shape[0]} rows, expected >= {start + size}")
+            size, start = kv_size, (self.tp.rank // self.kv_replicas) * kv_size
+        if loaded.shape[0] != self.full_rows[shard_id]:
+            raise ShapeMismatch(f"{shard_id}_proj: expected {self.full_rows[shard_id]} rows, checkpoint has "
+                                f"{tuple(loaded.shape)}")
         copy_checked(param.data.narrow(0, offset, size), loaded[start:start + size], f"{shard_id}_proj")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,13 +124,13 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
-        start, end = shard_range(in_features)
+        start, end = current().shard_range(in_features)
         super().__init__(end - start, out_features, bias)
         _attach(self.weight, self.load)
         _attach(self.bias, self.load_bias)
 
     def load(self, param, loaded, shard_id=None):
-        start, end = shard_range(loaded.shape[1]) if loaded.dim() == 2 else (0, 0)
+        start, end = self.tp.shard_range(loaded.shape[1]) if loaded.dim() == 2 else (0, 0)
         copy_checked(param, loaded[:, start:end] if loaded.dim() == 2 else loaded, "row-parallel linear")
 
     def load_bias(self, param, loaded, shard_id=None):
@@ -131,5 +138,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = all_reduce(y)
+        y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -4,7 +4,8 @@ Bind at once and answer /health with 503 while the model loads and warms up in t
 on SIGTERM or SIGINT drain: refuse new requests with 503, let those in flight finish for up to
 `shutdown_timeout` seconds, abort the rest (a stream then ends with finish_reason "abort"), and exit 0.
 A second signal aborts at once. A model that fails to load exits 1; an engine that fails while serving
-turns /health to 503 and ends every request with a 500 error.
+turns /health to 503 and ends every request with a 500 error. An engine that lost a tensor-parallel rank
+cannot recover: the server also ends (its other ranks with it) and exits 1, so a supervisor restarts it.
 """
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ async def warm_up(engine: AsyncEngine) -> None:
         pass
 
 
-async def watch_engine(state: ServerState, interval: float = WATCH_INTERVAL_S) -> None:
+async def watch_engine(state: ServerState, interval: float = WATCH_INTERVAL_S, on_rank_lost=None) -> None:
     """Once the engine has failed, end every request in flight with the error, so none waits forever
-    (new requests are refused by `ServerState.serving_engine`)."""
+    (new requests are refused by `ServerState.serving_engine`); call `on_rank_lost()` once a
+    tensor-parallel rank is known to be gone."""
     engine = state.engine
     while engine.healthy:
         await asyncio.sleep(interval)
@@ -59,6 +61,9 @@ async def watch_engine(state: ServerState, interval: float = WATCH_INTERVAL_S) -
     error = EngineDeadError(f"the engine failed: {reason}")
     while True:
         state.requests.fail_all(error)
+        if on_rank_lost is not None and engine.rank_failure is not None:
+            on_rank_lost()
+            on_rank_lost = None
         await asyncio.sleep(interval)
 
 
@@ -103,7 +108,12 @@ class Lifecycle:
         if self.state.phase is Phase.STARTING:
             self.state.phase = Phase.SERVING
             log.info("ready: serving %r", self.state.model_name)
-        self._watch_task = asyncio.create_task(watch_engine(self.state))
+        self._watch_task = asyncio.create_task(watch_engine(self.state, on_rank_lost=self._rank_lost))
+
+    def _rank_lost(self) -> None:
+        log.error("a tensor-parallel rank is gone (%s): exiting 1", self.state.engine.rank_failure)
+        self.exit_code = 1
+        self.server.should_exit = True
 
     # ---- signals and drain ------------------------------------------------------------------------
     def on_signal(self, sig: int) -> None:

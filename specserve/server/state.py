@@ -17,6 +17,8 @@ from .streams import RequestRegistry
 
 def engine_failure(engine: AsyncEngine) -> str:
     """Why a stopped engine stopped."""
+    if engine.rank_failure is not None:
+        return engine.rank_failure
     return repr(engine.error) if engine.error is not None else "the engine thread stopped"
 
 

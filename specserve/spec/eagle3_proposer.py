@@ -28,13 +28,14 @@ class DraftState:
 
 
 class Eagle3Proposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_model, num_slots_total: int,
+    def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_embedding, num_slots_total: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch"):
+        """target_embedding: the target's token embedding, whole (the draft shares it)."""
         self.block_size = block_size
         self.backend = backend
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device)
-        self.draft.embed_tokens = target_model.model.embed_tokens
+        self.draft.embed_tokens = target_embedding
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
         # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
