@@ -13,7 +13,7 @@ import torch
 from ..config import EngineConfig
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
-from .block_manager import BlockManager
+from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from ..spec import make_proposer
 from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
@@ -67,21 +67,21 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.arch)
-        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size)
-        if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
-            raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
+        if self.runner.num_blocks * config.cache.block_size < config.model.max_model_len:
+            raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
                              f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                              f"or kv_cache_gb, or lower max_model_len")
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
         spec = config.speculative
         self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+        self.blocks = make_block_manager(config.cache, self.runner, self.proposer)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.controller = Controller(spec.speculative_policy, candidate_shapes(
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
             spec.speculative_disable_batch_threshold) if spec.enabled else None
         self.shape: Shape = PLAIN
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix_cache=self.blocks.stats)
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:

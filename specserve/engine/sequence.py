@@ -54,6 +54,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Optional[torch.Generator] = None
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
+        self.prefix_state = None  # the block manager's per-request prefix-cache state
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

@@ -1,9 +1,15 @@
 """EAGLE-3 drafting: catch the draft up on the target's committed positions, then grow a tree.
 
 The draft sees pairs (target features at position j, token j+1) and predicts token j+2. Its KV cache
-uses the target's block tables: committed pairs sit at their positions; the tokens drafted during a
-step go to scratch slots past the computed prefix (which the scheduler reserves) and are overwritten
-by the next step, so rejected drafts never need rolling back in the draft cache.
+uses the target's block tables, one slot late: pair j sits in position j+1's slot (slot 0 holds nothing),
+so a block's draft KV depends only on the tokens of the block and its prefix, like the target's, and
+the prefix cache can share it. The tokens drafted during a step go to scratch slots past the computed
+prefix (which the scheduler reserves) and are overwritten by the next step, so rejected drafts never
+need rolling back in the draft cache.
+
+Prefix hits: the one pair that crosses into the first uncached block needs the target feature of the
+last cached position, which was not computed; every block keeps that row (`block_features`, aux_dim
+per block), so a request that starts on h cached blocks starts with h*block_size - 1 pairs done.
 """
 from __future__ import annotations
 
@@ -39,15 +45,35 @@ class Eagle3Proposer(Proposer):
         # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
         self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         attn.kv_cache = self.kv_cache
+        # [blocks, aux_dim]: the target features of each block's last position
+        self.block_features = torch.zeros(num_slots_total // block_size, len(self.aux_layers) * target_arch.hidden_size,
+                                          dtype=dtype, device=device)
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
 
     def num_slots(self, shape: Shape) -> int:
-        return max(shape.num_nodes, (shape.steps - 1) * shape.topk)
+        return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
+        bs, end = self.block_size, seq.num_computed_tokens
+        start = end - features.shape[0]
         if seq.draft_state is None:
             seq.draft_state = DraftState()
+            if start > 0:  # started on cached blocks: their pairs are cached but the last, which needs this row
+                seq.draft_state.computed = start - 1
+                seq.draft_state.pending.append(self.block_features[seq.block_table[start // bs - 1]].unsqueeze(0))
         seq.draft_state.pending.append(features)
+        last = range(bs - 1 - start % bs, end - start, bs)  # rows at the last position of a block
+        if len(last):
+            blocks = [seq.block_table[(start + i) // bs] for i in last]
+            self.block_features[self._ids(blocks)] = features[self._ids(list(last))]
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        return seq.draft_state.computed + 1 if seq.draft_state is not None else 0
+
+    def cache_planes(self) -> list[torch.Tensor]:
+        blocks = self.block_features.shape[0]
+        # [blocks, k/v, block_size, kv_heads, head_dim] and [blocks, aux_dim]
+        return [self.kv_cache.unflatten(1, (blocks, self.block_size)).movedim(1, 0), self.block_features]
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -103,7 +129,7 @@ class Eagle3Proposer(Proposer):
             last.append(sum(q_lens) - 1)
             state.computed, state.pending = end, []
         self.last_catch_up = sum(q_lens)
-        meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device)
+        meta = self._metadata(q_lens, seq_lens, seqs)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)
         return logits[index], h[index]
@@ -113,11 +139,17 @@ class Eagle3Proposer(Proposer):
         batch, k = tokens.shape
         masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
         seq_lens = (base + depth * k).tolist()
-        meta = build_metadata([k] * batch, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
-                              tree_masks=masks)
+        meta = self._metadata([k] * batch, seq_lens, seqs, masks)
         positions = (base + depth - 1).repeat_interleave(k).to(self.device)
         logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
         return logits, h
+
+    def _metadata(self, q_lens: list[int], seq_lens: list[int], seqs: list[Sequence], tree_masks=None):
+        """Attention metadata for q_lens[i] pairs ending at pair seq_lens[i] - 1, stored one slot late."""
+        meta = build_metadata(q_lens, [n + 1 for n in seq_lens], [s.block_table for s in seqs], self.block_size,
+                              self.device, tree_masks)
+        meta.mask[:, 0, :, 0] &= ~meta.query_valid  # slot 0 holds no pair
+        return meta
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
