@@ -10,7 +10,7 @@ import torch
 
 from specserve import ConfigError, SamplingParams
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm
+from .conftest import DEVICE, assert_pool_full, make_hf_checkpoint, make_llm
 from .eagle_utils import make_eagle3_checkpoint
 
 VOCAB = 64
@@ -99,22 +99,27 @@ def test_hash_collisions_cost_hits_not_correctness(pair, reference):
     assert_pool_full(llm)
 
 
-def test_cached_blocks_hold_only_accepted_tokens(pair):
-    """After speculative steps with rejections, every cached block's target KV, draft KV and boundary
-    feature equal those of a plain prefill of the same tokens."""
-    target, draft = pair
-    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_policy="always",
-                speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=6, block_size=8)
-    system, users = workload(sessions=2, turns=1)
-    speculated = make_llm(target, **spec)
-    outs = speculated.generate([system + u[0] for u in users], SamplingParams(temperature=0, max_tokens=40,
-                                                                             ignore_eos=True))
-    stats = speculated.engine.stats.spec
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, "the test needs accepted and rejected drafts"
-    fresh = make_llm(target, **spec)  # prefill the final tokens at once; drafting 1 token makes the draft catch up
-    fresh.generate([list(o.prompt_token_ids) + o.token_ids for o in outs],
-                   SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    a, b = speculated.engine, fresh.engine
+def speculate_sessions(target, draft, policy: str, sabotage: bool = False):
+    """Two sessions, two turns, speculating (`always`: a tree with many rejections) or plain decoding
+    (`threshold` 0: the draft catches up only when requests finish). Returns the engine and the tokens
+    of each session's last request."""
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, block_size=8,
+                   speculative_policy=policy, speculative_disable_batch_threshold=0, speculative_num_steps=3,
+                   speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    system, users = workload(sessions=2, turns=2)
+    histories = [list(system) for _ in users]
+    for t in range(2):
+        if sabotage and t == 1:
+            llm.engine.proposer.block_features.zero_()  # the rows a request starting on a hit needs
+        prompts = [h + u[t] for h, u in zip(histories, users)]
+        res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        histories = [p + r.token_ids for p, r in zip(prompts, res)]
+    return llm, histories
+
+
+def compare_cached_blocks(a, b) -> int:
+    """Every block cached by engine a holds the target KV, draft KV and boundary feature that engine b
+    holds for the same tokens (up to rounding). Returns the number of blocks compared."""
     compared = 0
     for h, node in a.blocks.index.nodes.items():
         other = b.blocks.index.nodes.get(h)
@@ -124,9 +129,7 @@ def test_cached_blocks_hold_only_accepted_tokens(pair):
         close(a.proposer.kv_cache[:, x], b.proposer.kv_cache[:, y])
         close(a.proposer.block_features[node.block], b.proposer.block_features[other.block])
         compared += 1
-    assert compared >= 4 + 2 * 5  # the system prompt's 4 full blocks, then at least 5 per request
-    assert_pool_full(speculated)
-    assert_pool_full(fresh)
+    return compared
 
 
 def close(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -136,6 +139,62 @@ def close(x: torch.Tensor, y: torch.Tensor) -> None:
 
 def slots(block: int, block_size: int) -> torch.Tensor:
     return torch.arange(block * block_size, (block + 1) * block_size)
+
+
+@pytest.mark.parametrize("policy", ["always", "threshold"])
+def test_cached_blocks_equal_a_fresh_prefill(pair, policy):
+    """Only accepted tokens enter cached blocks, and requests that started on a hit leave the same draft
+    state as a fresh prefill of their tokens: the second turn's blocks are compared too."""
+    target, draft = pair
+    llm, final = speculate_sessions(target, draft, policy)
+    stats = llm.engine.stats
+    assert stats.prefix_cache.num_hits >= 2 * 32, "the second turn must start on the cached first turn"
+    if policy == "always":
+        assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens, "needs accepted and rejected drafts"
+    else:
+        assert stats.spec.num_drafts == 0
+    fresh = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, block_size=8,
+                     speculative_policy="always", enable_prefix_caching=True)
+    fresh.generate(final, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # one draft: catch-up
+    assert compare_cached_blocks(llm.engine, fresh.engine) >= 4 + 2 * 7  # system prompt, then 7+ per session
+    assert_pool_full(llm)
+    assert_pool_full(fresh)
+
+
+def test_the_comparison_sees_a_wrong_draft_state(pair):
+    """The check above has teeth: a hit that starts the draft from a wrong boundary feature is caught
+    (output stays identical: speculation is lossless, so outputs alone could not tell)."""
+    target, draft = pair
+    llm, final = speculate_sessions(target, draft, "always", sabotage=True)
+    fresh = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, block_size=8)
+    fresh.generate(final, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(AssertionError):
+        compare_cached_blocks(llm.engine, fresh.engine)
+
+
+def test_acceptance_after_a_hit_equals_acceptance_without_caching():
+    """The shipped pair (a trained drafter) on coding sessions that resend their growing context:
+    caching changes neither the tokens nor how many drafts are accepted, position by position."""
+    from specserve import LLM
+
+    texts = [open(f).read() for f in ("specserve/engine/block_manager.py", "specserve/engine/scheduler.py")]
+    system, messages = "# tools\n" + texts[0][:1200], [texts[1][i:i + 200] for i in (0, 600, 1200)]
+    results = []
+    for caching in (False, True):
+        llm = LLM(speculative_policy="always", enable_prefix_caching=caching, device=DEVICE["name"])
+        tok = llm.tokenizer
+        history, outs = tok.encode(system), []
+        for message in messages:
+            prompt = history + tok.encode(message)
+            out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+            outs.append(out.token_ids)
+            history = prompt + out.token_ids
+        spec = llm.engine.stats.spec
+        results.append((outs, spec.num_drafts, spec.accepted_per_position))
+        assert_pool_full(llm)
+    assert llm.engine.stats.prefix_cache.hit_rate > 0.5
+    assert results[0] == results[1]
+    assert results[1][1] and sum(results[1][2]) / results[1][1] > 0.5, "the shipped drafter should be accepted"
 
 
 def test_options():

@@ -174,7 +174,7 @@ class LLMEngine:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
         sampled = dict(zip(plain, self.runner.sample(out.logits[[out.rows[i][0] for i in plain]],
                                                      [batch[i].seq for i in plain]))) if plain else {}
-        outputs = []
+        outputs, finished = [], []
         for i, item in enumerate(batch):
             seq = item.seq
             self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
@@ -189,10 +189,14 @@ class LLMEngine:
             self.stats.num_generation_tokens += seq.append_tokens(tokens, logprobs)
             outputs.append(self._output(seq))
             if seq.finished:
-                self.scheduler.finish(seq)
-                self.requests.pop(seq.request_id, None)
+                finished.append(seq)
             elif item.draft is not None:
                 self.blocks.truncate(seq, seq.num_tokens)
+        if finished and self.proposer is not None and self.blocks.enabled:
+            self.proposer.flush(finished)  # so their complete blocks can stay cached, draft state included
+        for seq in finished:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
         return outputs
 
     def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> None:

@@ -14,6 +14,7 @@ per block), so a request that starts on h cached blocks starts with h*block_size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -112,22 +113,35 @@ class Eagle3Proposer(Proposer):
         return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], shape.num_nodes)
                 for b, s in enumerate(seqs)]
 
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the draft over every committed pair it has not seen; return the last pair's logits and
-        hidden state per sequence."""
-        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+    @torch.inference_mode()
+    def flush(self, seqs: list[Sequence]) -> None:
+        bs, behind, ends = self.block_size, [], []
         for seq in seqs:
+            end = seq.num_computed_tokens // bs * bs - 1  # the pairs whose slots lie in complete blocks
+            if seq.draft_state is not None and end > seq.draft_state.computed:
+                behind.append(seq)
+                ends.append(end)
+        if behind:
+            last = self.last_catch_up  # the controller reads the latest propose's
+            self._catch_up(behind, ends)
+            self.last_catch_up = last
+
+    def _catch_up(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft over every committed pair it has not seen (only up to pair ends[i] - 1 when
+        given); return the last pair's logits and hidden state per sequence."""
+        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+        for i, seq in enumerate(seqs):
             state = seq.draft_state
-            start, end = state.computed, seq.num_computed_tokens
+            start, end = state.computed, ends[i] if ends else seq.num_computed_tokens
             feats = torch.cat(state.pending)
-            assert feats.shape[0] == end - start, f"{seq.request_id}: {feats.shape[0]} features for {end - start} pairs"
+            assert feats.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {feats.shape[0]} features"
             ids.extend(seq.token_ids[start + 1:end + 1])
             positions.extend(range(start, end))
-            hidden.append(feats)
+            hidden.append(feats[:end - start])
             q_lens.append(end - start)
             seq_lens.append(end)
             last.append(sum(q_lens) - 1)
-            state.computed, state.pending = end, []
+            state.computed, state.pending = end, [feats[end - start:]] if end < seq.num_computed_tokens else []
         self.last_catch_up = sum(q_lens)
         meta = self._metadata(q_lens, seq_lens, seqs)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)

@@ -43,6 +43,10 @@ class Proposer(ABC):
         per-block tensors), so that blocks within them may be shared with later requests."""
         return seq.num_computed_tokens
 
+    def flush(self, seqs: list[Sequence]) -> None:
+        """These requests are about to release their blocks: bring the draft-side state of their complete
+        blocks up to date (what plain-decoding steps skipped), so the prefix cache can keep them."""
+
     def cache_planes(self) -> list[torch.Tensor]:
         """The proposer's tensors indexed by block id, viewed block-first ([num_blocks, ...]): what a
         block's copy in the host pool must hold besides the target's KV."""
