@@ -21,7 +21,7 @@ from collections import OrderedDict, deque
 from typing import Callable, Optional
 
 from ..config import CacheConfig
-from .kv_host import HostPool, host_pool_slots
+from .kv_host import HostPool, HostTier, host_pool_slots
 from .prefix_cache import CachedBlock, PrefixHit, PrefixIndex, SeqPrefix
 from .sequence import Sequence
 from .stats import PrefixCacheStats
@@ -33,7 +33,7 @@ class OutOfBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host: Optional[HostPool] = None, write_through: bool = True):
+                 host: Optional[HostTier] = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enabled = enable_prefix_caching
@@ -43,8 +43,8 @@ class BlockManager:
         self.block_node: list[Optional[CachedBlock]] = [None] * num_blocks
         self.index = PrefixIndex()
         self.host = host
-        self.host_lru: OrderedDict[CachedBlock, None] = OrderedDict()  # nodes with a host copy, oldest first
-        self.write_through = write_through
+        if host is not None:
+            host.drop = self._drop
         self.stats = PrefixCacheStats()
         # leading tokens of seq whose draft-side cache state is final (the proposer's; no proposer: all)
         self.draft_coverage: Callable[[Sequence], int] = lambda seq: seq.num_computed_tokens
@@ -127,18 +127,13 @@ class BlockManager:
         for node in hit.nodes:
             if node.block is not None:
                 self._acquire(node.block)
-        for node in on_host:  # pinned: evictions below must not take their host copies
-            del self.host_lru[node]
-        blocks = []
-        for node in on_host:
-            block = self._take()
-            self.ref_counts[block] = 1
-            self._place(node, block)
-            blocks.append(block)
         if on_host:
-            self.host.load([n.host_slot for n in on_host], blocks)
-        for node in reversed(on_host):
-            self.host_lru[node] = None
+            self.host.pin(on_host)  # evictions below must not take their host copies
+            blocks = [self._take() for _ in on_host]
+            for node, block in zip(on_host, blocks):
+                self.ref_counts[block] = 1
+                self._place(node, block)
+            self.host.load(on_host, blocks)
         seq.block_table = [n.block for n in hit.nodes]
         self._state(seq).nodes = list(hit.nodes)
         seq.num_computed_tokens = hit.num_blocks * self.block_size
@@ -180,8 +175,8 @@ class BlockManager:
                 seq.block_table[i] = node.block
                 self._release(block)
             state.nodes.append(node)
-        if self.host is not None and self.write_through and fresh:
-            self._save(fresh)
+        if self.host is not None and self.host.write_through and fresh:
+            self.stats.num_host_saved_blocks += self.host.save(fresh, self.index.contains)
 
     def _state(self, seq: Sequence) -> SeqPrefix:
         if seq.prefix_state is None:
@@ -207,8 +202,8 @@ class BlockManager:
                 self.free_blocks.append(block)
                 return
             self.evictable[block] = None
-            if node.host_slot is not None:
-                self.host_lru.move_to_end(node)
+            if self.host is not None:
+                self.host.touch(node)
 
     def _take(self) -> int:
         """A block holding nothing: a clean one, else the least recently used cached one, evicted."""
@@ -216,7 +211,8 @@ class BlockManager:
             block = next(iter(self.evictable))
             node = self.block_node[block]
             if self.host is not None and node.host_slot is None:
-                self._save([node])  # finding a host slot may drop nodes, this one (with its prefix) included
+                # finding a host slot may drop nodes, this one (with its prefix) included
+                self.stats.num_host_saved_blocks += self.host.save([node], self.index.contains)
                 if self.block_node[block] is not node:
                     continue  # dropped: the block is clean now
             del self.evictable[block]
@@ -228,39 +224,11 @@ class BlockManager:
             return block
         return self.free_blocks.popleft()
 
-    def _save(self, nodes: list[CachedBlock]) -> None:
-        """Copy device-resident nodes to host slots (as many as find a slot)."""
-        saved: list[CachedBlock] = []
-        for node in nodes:
-            slot = self._host_slot()
-            if slot is None:
-                break
-            if not self.index.contains(node):  # dropped with its prefix to free that slot
-                self.host.release(slot)
-                continue
-            node.host_slot = slot
-            self.host_lru[node] = None
-            saved.append(node)
-        self.host.save([n.block for n in saved], [n.host_slot for n in saved])
-        self.stats.num_host_saved_blocks += len(saved)
-
-    def _host_slot(self) -> Optional[int]:
-        """A free host slot, else the least recently used host copy's (dropping nodes left nowhere)."""
-        slot = self.host.alloc()
-        while slot is None and self.host_lru:
-            node, _ = self.host_lru.popitem(last=False)
-            slot, node.host_slot = node.host_slot, None
-            if node.block is None:
-                self._drop(node)
-        return slot
-
     def _drop(self, node: CachedBlock) -> None:
         """node lives in neither pool: remove it and its descendants (unreachable now) from the index."""
         for n in self.index.remove(node):
-            if n.host_slot is not None:
-                del self.host_lru[n]
-                self.host.release(n.host_slot)
-                n.host_slot = None
+            if self.host is not None:
+                self.host.forget(n)
             if n.block is not None:
                 assert self.ref_counts[n.block] == 0, "a cached block in use lost its prefix"
                 del self.evictable[n.block]
@@ -278,17 +246,14 @@ class BlockManager:
             assert (b in free) + (b in evictable) + (ref > 0) == 1, f"block {b}: free, evictable and ref {ref}"
             assert (node is None) == (b in free) or ref > 0, f"block {b}: cached content and free list disagree"
             assert node is None or (node.block == b and self.index.contains(node)), f"block {b}: stale node"
-        slots = []
         for node in self.index.nodes.values():
             assert node.block is not None or node.host_slot is not None, "a cached block lives nowhere"
             assert node.block is None or self.block_node[node.block] is node
             assert node.parent is None or (self.index.contains(node.parent) and node in node.parent.children)
-            if node.host_slot is not None:
-                slots.append(node.host_slot)
-                assert node in self.host_lru
-        assert len(self.host_lru) == len(slots) == len(set(slots)), "host slots and host LRU disagree"
+        on_host = [n for n in self.index.nodes.values() if n.host_slot is not None]
+        assert self.host is not None or not on_host
         if self.host is not None:
-            assert len(slots) + len(self.host.free_slots) == self.host.num_slots, "host slots leaked"
+            self.host.check(on_host)
 
 
 def make_block_manager(cache: CacheConfig, runner, proposer) -> BlockManager:
@@ -299,8 +264,8 @@ def make_block_manager(cache: CacheConfig, runner, proposer) -> BlockManager:
     if proposer is not None:
         planes += proposer.cache_planes()
     slots = host_pool_slots(cache, planes, nb)
-    host = HostPool(planes, slots) if slots > 0 else None
-    manager = BlockManager(nb, bs, cache.enable_prefix_caching, host, cache.kv_host_policy == "write_through")
+    host = HostTier(HostPool(planes, slots), cache.kv_host_policy == "write_through") if slots > 0 else None
+    manager = BlockManager(nb, bs, cache.enable_prefix_caching, host)
     if proposer is not None:
         manager.draft_coverage = proposer.cached_tokens
     return manager

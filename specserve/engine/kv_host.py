@@ -13,12 +13,13 @@ slot is always ordered after its last copy. On CPU the copies are plain tensor c
 from __future__ import annotations
 
 import os
-from collections import deque
-from typing import Iterator, Optional
+from collections import OrderedDict, deque
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from ..config import CacheConfig
+from .prefix_cache import CachedBlock
 
 
 class HostPool:
@@ -84,6 +85,85 @@ class HostPool:
                     staged[i:j].copy_(host[slot:slot + j - i], non_blocking=True)
                 plane[index] = staged
         main.wait_stream(self.stream)
+
+
+class HostTier:
+    """Which cached blocks have a copy in the host pool, least recently used first, and their copies.
+
+    Taking a slot from a full pool drops the oldest copy; a block then left in neither pool is dropped
+    from the prefix index through `drop` (the block manager's).
+    """
+
+    def __init__(self, pool: HostPool, write_through: bool):
+        self.pool = pool
+        self.write_through = write_through  # copy blocks when they are cached, not when they are evicted
+        self.lru: OrderedDict[CachedBlock, None] = OrderedDict()
+        self.drop: Callable[[CachedBlock], None] = lambda node: None
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def touch(self, node: CachedBlock) -> None:
+        if node.host_slot is not None:
+            self.lru.move_to_end(node)
+
+    def save(self, nodes: list[CachedBlock], alive: Callable[[CachedBlock], bool]) -> int:
+        """Copy device-resident nodes to host slots, as many as find one; returns how many."""
+        saved: list[CachedBlock] = []
+        for node in nodes:
+            slot = self._slot()
+            if slot is None:
+                break
+            if not alive(node):  # dropped with its prefix to free that slot
+                self.pool.release(slot)
+                continue
+            node.host_slot = slot
+            self.lru[node] = None
+            saved.append(node)
+        self.pool.save([n.block for n in saved], [n.host_slot for n in saved])
+        return len(saved)
+
+    def pin(self, nodes: list[CachedBlock]) -> None:
+        """Keep these copies while device blocks are found for them (evictions may need host slots)."""
+        for node in nodes:
+            del self.lru[node]
+
+    def load(self, nodes: list[CachedBlock], blocks: list[int]) -> None:
+        """Copy pinned nodes back into device blocks, and unpin them."""
+        self.pool.load([n.host_slot for n in nodes], blocks)
+        for node in reversed(nodes):  # a prefix is used at least as recently as what follows it
+            self.lru[node] = None
+
+    def forget(self, node: CachedBlock) -> None:
+        """node leaves the prefix index: free its copy."""
+        if node.host_slot is not None:
+            del self.lru[node]
+            self.pool.release(node.host_slot)
+            node.host_slot = None
+
+    def _slot(self) -> Optional[int]:
+        slot = self.pool.alloc()
+        while slot is None and self.lru:
+            node, _ = self.lru.popitem(last=False)
+            slot, node.host_slot = node.host_slot, None
+            if node.block is None:
+                self.drop(node)
+        return slot
+
+    def check(self, nodes: list[CachedBlock]) -> None:
+        """Assert that exactly these nodes hold host slots, each its own, and no slot leaked."""
+        slots = {n.host_slot for n in nodes}
+        assert len(slots) == len(nodes) == len(self.lru) and all(n in self.lru for n in nodes), "host LRU is stale"
+        assert len(slots) + len(self.pool.free_slots) == self.pool.num_slots, "host slots leaked"
 
 
 def _runs(slots: list[int]) -> Iterator[tuple[int, int, int]]:
