@@ -28,6 +28,8 @@ import statistics
 import subprocess
 import time
 
+import torch
+
 from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
@@ -145,8 +147,11 @@ def main() -> None:
     ap.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"),
                     help="dummy: random weights of the model folder's shape (timing only)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     longest = args.system_tokens + args.turns * (args.message_tokens + args.max_tokens)
     private = -(-(longest - args.system_tokens) // BLOCK) + 1
