@@ -144,6 +144,8 @@ def main() -> None:
     ap.add_argument("--draft", default=SHIPPED_DRAFT)
     ap.add_argument("--speculative-algorithm", default="EAGLE3", choices=("EAGLE3", "none"))
     ap.add_argument("--speculative-policy", default="adaptive", choices=("adaptive", "always", "threshold"))
+    ap.add_argument("--speculative-disable-batch-threshold", type=int, default=32,
+                    help="threshold policy: plain decoding while more requests run (0: always plain)")
     ap.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"),
                     help="dummy: random weights of the model folder's shape (timing only)")
     ap.add_argument("--device", default="auto")
@@ -161,7 +163,8 @@ def main() -> None:
                   max_num_seqs=args.concurrency, speculative_algorithm=args.speculative_algorithm,
                   load_format=args.load_format)
     if args.speculative_algorithm == "EAGLE3":
-        common.update(speculative_draft_model_path=args.draft, speculative_policy=args.speculative_policy)
+        common.update(speculative_draft_model_path=args.draft, speculative_policy=args.speculative_policy,
+                      speculative_disable_batch_threshold=args.speculative_disable_batch_threshold)
     configs = {k: v for k, v in configurations(args, pool_small, 2 * working_set).items()
                if k in args.configs.split(",")}
     engines = {name: LLMEngine(EngineConfig.from_options(**common, **opts)) for name, opts in configs.items()}
