@@ -37,6 +37,18 @@ class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     num_kv_blocks: Optional[int] = _opt(None, "KV blocks in the pool (default: from kv_cache_gb)")
     kv_cache_gb: Optional[float] = _opt(None, "KV pool size in GiB (default: 1 on CPU, 85%% of free memory on CUDA)")
+    enable_prefix_caching: bool = _opt(True, "share full KV blocks of identical prefixes between requests")
+    kv_host_ratio: Optional[float] = _opt(None, "host KV pool size as a multiple of the device pool (default: 1 on "
+                                                "CUDA, capped at a quarter of free host memory; 0 on CPU = off)")
+    kv_host_size_gb: Optional[float] = _opt(None, "host KV pool size in GiB (overrides kv_host_ratio; 0 = off)")
+    kv_host_policy: str = _opt("write_through", "when a cached block is copied to the host pool: as soon as it is "
+                                                "complete, or when it is evicted from the device pool",
+                               ("write_through", "write_back"))
+
+    @property
+    def host_tier_requested(self) -> bool:
+        """Did the user size the host pool explicitly (to a nonzero size)?"""
+        return bool(self.kv_host_size_gb) or (self.kv_host_size_gb is None and bool(self.kv_host_ratio))
 
 
 @dataclass(frozen=True)
@@ -187,6 +199,12 @@ class EngineConfig:
             raise ConfigError(f"option cuda_graph_max_bs must be >= 1, got {self.execution.cuda_graph_max_bs}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
+        for name in ("kv_host_ratio", "kv_host_size_gb"):
+            value = getattr(self.cache, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"option {name} must be >= 0, got {value}")
+        if self.cache.host_tier_requested and not self.cache.enable_prefix_caching:
+            raise ConfigError("a host KV pool (kv_host_ratio / kv_host_size_gb) needs enable_prefix_caching")
         self.speculative.validate()
         if self.speculative.speculative_draft_model_path and not self.speculative.enabled:
             raise ConfigError("speculative_draft_model_path given without speculative_algorithm='EAGLE3'")

@@ -96,6 +96,7 @@ def assert_pool_full(llm) -> None:
     assert not engine.has_unfinished()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "KV blocks leaked"
     assert all(c == 0 for c in engine.blocks.ref_counts)
+    engine.blocks.check()  # prefix cache and host pool agree with the pool
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -159,7 +159,9 @@ def test_health_models_metrics_and_keys(server, client):
                  "specserve:generation_tokens_total", "specserve:time_to_first_token_seconds_bucket",
                  "specserve:inter_token_latency_seconds_bucket", "specserve:e2e_request_latency_seconds_bucket",
                  "specserve:spec_decode_num_drafts_total", "specserve:spec_decode_num_draft_tokens_total",
-                 "specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_k"):
+                 "specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_k",
+                 "specserve:prefix_cache_queries_total", "specserve:prefix_cache_hits_total",
+                 "specserve:prefix_cache_host_hits_total", "specserve:kv_host_usage_perc"):
         assert name in text, name
     info = server.info()
     assert info["config"]["max_model_len"] == 1024 and "avg_spec_accept_length" in info
@@ -169,6 +171,22 @@ def test_health_models_metrics_and_keys(server, client):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_prefix_cache_hits_reach_metrics_and_server_info(server, client):
+    prompt = "\n".join(PROMPTS * 4)  # several full KV blocks
+    scrape = lambda name: metric(httpx.get(server.url + "/metrics").text, name)  # noqa: E731
+    hits, queries = scrape("specserve:prefix_cache_hits_total"), scrape("specserve:prefix_cache_queries_total")
+    texts = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+             for _ in range(2)]
+    assert texts[0] == texts[1]
+    new_hits, new_queries = scrape("specserve:prefix_cache_hits_total") - hits, \
+        scrape("specserve:prefix_cache_queries_total") - queries
+    assert new_hits >= 16 and new_queries > 2 * new_hits  # the second request hit nearly all of the first
+    info = wait_idle(server)
+    assert info["prefix_cache"]["enabled"] and info["prefix_cache"]["num_hits"] == hits + new_hits
+    assert 0 < info["prefix_cache_hit_rate"] <= 1 and info["prefix_cache"]["cached_blocks"] > 0
+    assert info["kv_host_total_blocks"] == 0 and scrape("specserve:kv_host_usage_perc") == 0  # CPU: no host pool
 
 
 def test_greedy_completions_and_chat_equal_offline(client, llm):

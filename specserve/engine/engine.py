@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..device import to_device
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
-from .block_manager import BlockManager
+from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from ..spec import make_proposer
 from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
@@ -97,14 +97,14 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.arch)  # under tensor parallelism: starts the other ranks
-        self.blocks = BlockManager(self.runner.num_blocks, config.cache.block_size)
         spec = config.speculative
         try:
-            if self.blocks.num_blocks * self.blocks.block_size < config.model.max_model_len:
-                raise ValueError(f"the KV cache holds {self.blocks.num_blocks * self.blocks.block_size} tokens, "
+            if self.runner.num_blocks * config.cache.block_size < config.model.max_model_len:
+                raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
                                  f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                                  f"or kv_cache_gb, or lower max_model_len")
             self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+            self.blocks = make_block_manager(config.cache, self.runner, self.proposer)
             self.controller = Controller(spec.speculative_policy, candidate_shapes(
                 spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
                 spec.speculative_disable_batch_threshold) if spec.enabled else None
@@ -126,7 +126,7 @@ class LLMEngine:
         self._flip = 0
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix_cache=self.blocks.stats)
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -268,13 +268,16 @@ class LLMEngine:
             self.inflight = None
         if self.runner.pending_tokens is flight.tokens:
             self.runner.pending_tokens = None
-        outputs = []
+        outputs, finished = [], []
         for seq, token, logprob in zip(flight.seqs, flight.host_tokens(), flight.logprobs):
             seq.num_pending -= 1
             if seq.finished:  # stopped (or aborted) while this step ran: its token is dropped
                 continue
             self.stats.num_generation_tokens += seq.append_tokens([token], [logprob] if logprob else None)
-            outputs.append(self._finish_if_done(seq))
+            outputs.append(self._output(seq))
+            if seq.finished:
+                finished.append(seq)
+        self._finish(finished)
         return outputs
 
     def _decoding_only(self, batch: list[ScheduledSeq]) -> bool:
@@ -288,7 +291,7 @@ class LLMEngine:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
         sampled = dict(zip(plain, self.runner.sample(out.logits[[out.rows[i][0] for i in plain]],
                                                      [batch[i].seq for i in plain]))) if plain else {}
-        outputs = []
+        outputs, finished = [], []
         for i, item in enumerate(batch):
             seq = item.seq
             self._count_prompt(item)
@@ -301,21 +304,25 @@ class LLMEngine:
                 token, logprob = sampled[i]
                 tokens, logprobs = [token], ([logprob] if logprob is not None else None)
             self.stats.num_generation_tokens += seq.append_tokens(tokens, logprobs)
-            outputs.append(self._finish_if_done(seq))
-            if not seq.finished and item.draft is not None:
+            outputs.append(self._output(seq))
+            if seq.finished:
+                finished.append(seq)
+            elif item.draft is not None:
                 self.blocks.truncate(seq, seq.num_tokens)
+        self._finish(finished)
         return outputs
 
     def _count_prompt(self, item: ScheduledSeq) -> None:
         seq = item.seq
         self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
 
-    def _finish_if_done(self, seq: Sequence) -> RequestOutput:
-        output = self._output(seq)
-        if seq.finished:
+    def _finish(self, finished: list[Sequence]) -> None:
+        """Release finished requests (their complete blocks stay cached, draft state included)."""
+        if finished and self.proposer is not None and self.blocks.enabled:
+            self.proposer.flush(finished)
+        for seq in finished:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
-        return output
 
     def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> None:
         """The KV of these of the item's tokens is now part of seq; tell the proposer."""

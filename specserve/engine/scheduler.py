@@ -17,7 +17,9 @@ class Scheduler:
     it computes and the KV slots it needs: (1, 1) for plain decoding, more to verify draft tokens) or
     continues its prefill in chunks. When the KV pool runs out, the most
     recently admitted running sequence is preempted: its blocks are freed and it is computed again later
-    (recompute). Waiting sequences are admitted while the budget, the pool and max_num_seqs allow.
+    (recompute; its complete blocks stay in the prefix cache while the pool allows). Waiting sequences are
+    admitted while the budget, the pool and max_num_seqs allow, starting from the cached blocks their
+    tokens begin with.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
@@ -58,16 +60,17 @@ class Scheduler:
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = seq.num_uncomputed_tokens
+            hit = self.blocks.match(seq)  # cached blocks it starts with: computed already
+            n = seq.num_tokens - hit.num_blocks * self.blocks.block_size
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.blocks.can_append(seq, n):
+            if not self.blocks.can_admit(seq, hit, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            self.blocks.append(seq, n)
+            self.blocks.admit(seq, hit, n)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch

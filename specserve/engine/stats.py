@@ -34,9 +34,39 @@ class SpecStats:
 
 
 @dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens unless named blocks (vLLM's prefix_cache_queries / _hits).
+
+    A query is every token of a request when it is admitted (again after a preemption); a hit is a token
+    whose KV came from the cache instead of being computed, from the device pool or copied back from the
+    host pool.
+    """
+
+    num_queries: int = 0
+    num_hits: int = 0  # device + host
+    num_host_hits: int = 0
+    num_evicted_blocks: int = 0  # cached blocks evicted from the device pool (to the host pool or dropped)
+    num_host_saved_blocks: int = 0  # device -> host copies
+    num_host_loaded_blocks: int = 0  # host -> device copies
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        return (self.num_hits - self.num_host_hits) / self.num_queries if self.num_queries else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.num_host_hits / self.num_queries if self.num_queries else 0.0
+
+
+@dataclass
 class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
     num_generation_tokens: int = 0  # output tokens delivered to requests
     num_steps: int = 0
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

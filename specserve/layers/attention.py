@@ -25,6 +25,11 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [batch, max_kv] cache slot of each context position (pad -> slot of position 0)
     mask: torch.Tensor  # [batch, 1, max_q, max_kv] bool, True = may attend
 
+    def without_first_key(self) -> "AttentionMetadata":
+        """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
+        self.mask[:, 0, :, 0] &= ~self.query_valid
+        return self
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                scale: float) -> torch.Tensor:
         # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]

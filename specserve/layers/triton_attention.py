@@ -15,7 +15,7 @@ verify steps can be captured in CUDA graphs and replayed after refilling the ten
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -44,6 +44,7 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
+        SKIP_FIRST: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -86,6 +87,8 @@ if triton is not None:
             in_tree = (j >= tree_start)[None, :]
             tree_ok = ((bits[:, None] >> shift[None, :]) & 1) != 0
             visible = (j[None, :] <= causal[:, None]) & jvalid[None, :] & (~in_tree | tree_ok)
+            if SKIP_FIRST:
+                visible = visible & (j[None, :] > 0)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -129,6 +132,11 @@ class TritonMetadata:
     tile_q0: torch.Tensor  # [num_tiles] int32 first query token of each tile within its sequence
     block_q: int
     page: int
+    skip_first_key: bool = False  # key 0 of every sequence hidden
+
+    def without_first_key(self) -> "TritonMetadata":
+        """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
+        return replace(self, skip_first_key=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                scale: float, kv_written: bool = False) -> torch.Tensor:
@@ -147,7 +155,7 @@ class TritonMetadata:
             self.block_tables.stride(0), scale,
             GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, BLOCK_N=64 if head_dim <= 128 else 32,
             HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page,
-            IEEE=q.dtype == torch.float32, num_warps=4)
+            IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, num_warps=4)
         return out
 
 

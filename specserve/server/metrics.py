@@ -63,6 +63,21 @@ class EngineCollector:
         yield per_pos
         yield self._family(gauge, "specserve:spec_decode_k", "Draft tokens per request chosen for the latest step",
                            spec.last_k)
+        cache, host = stats.prefix_cache, core.blocks.host
+        yield self._family(counter, "specserve:prefix_cache_queries", "Tokens looked up in the prefix cache "
+                           "(every token of a request when it is admitted)", cache.num_queries)
+        yield self._family(counter, "specserve:prefix_cache_hits", "Tokens served from the prefix cache "
+                           "(device and host pools)", cache.num_hits)
+        yield self._family(counter, "specserve:prefix_cache_host_hits", "Tokens served from the host KV pool "
+                           "(copied back to the device)", cache.num_host_hits)
+        yield self._family(counter, "specserve:kv_evicted_blocks", "Cached KV blocks evicted from the device pool",
+                           cache.num_evicted_blocks)
+        yield self._family(counter, "specserve:kv_host_saved_blocks", "KV blocks copied to the host pool",
+                           cache.num_host_saved_blocks)
+        yield self._family(counter, "specserve:kv_host_loaded_blocks", "KV blocks copied back from the host pool",
+                           cache.num_host_loaded_blocks)
+        yield self._family(gauge, "specserve:kv_host_usage_perc", "Fraction of host KV pool slots in use (0-1)",
+                           host.usage if host is not None else 0.0)
 
 
 class ServerMetrics:

@@ -89,6 +89,10 @@ class ServerState:
         stats = dataclasses.asdict(core.stats)
         spec = stats.pop("spec")
         spec["mean_acceptance_length"] = core.stats.spec.mean_acceptance_length
+        cache, blocks = core.stats.prefix_cache, core.blocks
+        prefix = stats.pop("prefix_cache")
+        prefix.update(enabled=blocks.enabled, hit_rate=cache.hit_rate, device_hit_rate=cache.device_hit_rate,
+                      host_hit_rate=cache.host_hit_rate, cached_blocks=len(blocks.index))
         info.update(
             config=core.config.flat(),
             healthy=self.engine.healthy,
@@ -101,6 +105,10 @@ class ServerState:
             stats=stats,
             spec=spec,
             avg_spec_accept_length=core.stats.spec.mean_acceptance_length,
+            prefix_cache=prefix,
+            prefix_cache_hit_rate=cache.hit_rate,
+            kv_host_total_blocks=blocks.host.num_slots if blocks.host is not None else 0,
+            kv_host_used_blocks=blocks.host.num_used if blocks.host is not None else 0,
         )
         return info
 

@@ -1,17 +1,25 @@
 """EAGLE-3 drafting: catch the draft up on the target's committed positions, then grow a tree.
 
 The draft sees pairs (target features at position j, token j+1) and predicts token j+2. Its KV cache
-uses the target's block tables: committed pairs sit at their positions; the tokens drafted during a
-step go to scratch slots past the computed prefix (which the scheduler reserves) and are overwritten
-by the next step, so rejected drafts never need rolling back in the draft cache.
+uses the target's block tables, one slot late: pair j sits in position j+1's slot (slot 0 holds nothing),
+so a block's draft KV depends only on the tokens of the block and its prefix, like the target's, and
+the prefix cache can share it. The tokens drafted during a step go to scratch slots past the computed
+prefix (which the scheduler reserves) and are overwritten by the next step, so rejected drafts never
+need rolling back in the draft cache.
+
+Prefix hits: the one pair that crosses into the first uncached block needs the target feature of the
+last cached position, which was not computed; every block keeps that row (`block_features`, aux_dim
+per block), so a request that starts on h cached blocks starts with h*block_size - 1 pairs done.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from ..config import SpeculativeConfig
+from ..device import to_device
 from ..engine.sequence import Sequence
 from ..layers.attention import build_metadata
 from ..models import ArchConfig
@@ -42,15 +50,35 @@ class Eagle3Proposer(Proposer):
         self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
         attn.kv_cache = self.kv_cache
         self.group = attn.num_heads // attn.num_kv_heads
+        # [blocks, aux_dim]: the target features of each block's last position
+        self.block_features = torch.zeros(num_slots_total // block_size, len(self.aux_layers) * target_arch.hidden_size,
+                                          dtype=dtype, device=device)
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
 
     def num_slots(self, shape: Shape) -> int:
-        return max(shape.num_nodes, (shape.steps - 1) * shape.topk)
+        return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
 
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
+        bs, end = self.block_size, seq.num_computed_tokens
+        start = end - features.shape[0]
         if seq.draft_state is None:
             seq.draft_state = DraftState()
+            if start > 0:  # started on cached blocks: their pairs are cached but the last, which needs this row
+                seq.draft_state.computed = start - 1
+                seq.draft_state.pending.append(self.block_features[seq.block_table[start // bs - 1]].unsqueeze(0))
         seq.draft_state.pending.append(features)
+        last = range(bs - 1 - start % bs, end - start, bs)  # rows at the last position of a block
+        if len(last):
+            blocks = [seq.block_table[(start + i) // bs] for i in last]
+            self.block_features[self._ids(blocks)] = features[self._ids(list(last))]
+
+    def cached_tokens(self, seq: Sequence) -> int:
+        return seq.draft_state.computed + 1 if seq.draft_state is not None else 0
+
+    def cache_planes(self) -> list[torch.Tensor]:
+        blocks = self.block_features.shape[0]
+        # [blocks, k/v, block_size, kv_heads, head_dim] and [blocks, aux_dim]
+        return [self.kv_cache.unflatten(1, (blocks, self.block_size)).movedim(1, 0), self.block_features]
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -89,25 +117,39 @@ class Eagle3Proposer(Proposer):
         return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], shape.num_nodes)
                 for b, s in enumerate(seqs)]
 
-    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the draft over every committed pair it has not seen; return the last pair's logits and
-        hidden state per sequence."""
-        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+    @torch.inference_mode()
+    def flush(self, seqs: list[Sequence]) -> None:
+        bs, behind, ends = self.block_size, [], []
         for seq in seqs:
+            end = seq.num_computed_tokens // bs * bs - 1  # the pairs whose slots lie in complete blocks
+            if seq.draft_state is not None and end > seq.draft_state.computed:
+                behind.append(seq)
+                ends.append(end)
+        if behind:
+            last = self.last_catch_up  # the controller reads the latest propose's
+            self._catch_up(behind, ends)
+            self.last_catch_up = last
+
+    def _catch_up(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft over every committed pair it has not seen (only up to pair ends[i] - 1 when
+        given); return the last pair's logits and hidden state per sequence."""
+        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+        for i, seq in enumerate(seqs):
             state = seq.draft_state
-            start, end = state.computed, seq.num_computed_tokens
+            start, end = state.computed, ends[i] if ends else seq.num_computed_tokens
             feats = torch.cat(state.pending)
-            assert feats.shape[0] == end - start, f"{seq.request_id}: {feats.shape[0]} features for {end - start} pairs"
+            assert feats.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {feats.shape[0]} features"
             ids.extend(seq.token_ids[start + 1:end + 1])
             positions.extend(range(start, end))
-            hidden.append(feats)
+            hidden.append(feats[:end - start])
             q_lens.append(end - start)
             seq_lens.append(end)
             last.append(sum(q_lens) - 1)
-            state.computed, state.pending = end, []
+            state.computed, state.pending = end, [feats[end - start:]] if end < seq.num_computed_tokens else []
         self.last_catch_up = sum(q_lens)
         meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
                               backend=self.backend, group=self.group)
+        meta = self._metadata(q_lens, seq_lens, seqs)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)
         return logits[index], h[index]
@@ -119,9 +161,16 @@ class Eagle3Proposer(Proposer):
         seq_lens = (base + depth * k).tolist()
         meta = build_metadata([k] * batch, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
                               tree_masks=masks, backend=self.backend, group=self.group)
+        meta = self._metadata([k] * batch, seq_lens, seqs, masks)
         positions = (base + depth - 1).repeat_interleave(k).to(self.device)
         logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
         return logits, h
 
+    def _metadata(self, q_lens: list[int], seq_lens: list[int], seqs: list[Sequence], tree_masks=None):
+        """Attention metadata for q_lens[i] pairs ending at pair seq_lens[i] - 1, stored one slot late."""
+        meta = build_metadata(q_lens, [n + 1 for n in seq_lens], [s.block_table for s in seqs], self.block_size,
+                              self.device, tree_masks, backend=self.backend, group=self.group)
+        return meta.without_first_key()  # slot 0 holds no pair
+
     def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, torch.long, self.device)

@@ -33,4 +33,21 @@ class Proposer(ABC):
     @abstractmethod
     def observe(self, seq: Sequence, features: torch.Tensor) -> None:
         """The target committed the KV of seq's next positions; features [n, aux_dim] are their
-        auxiliary hidden states, in position order (empty aux_dim when aux_layers is empty)."""
+        auxiliary hidden states, in position order (empty aux_dim when aux_layers is empty). The first
+        observe of a request that started on cached blocks comes with num_computed_tokens past them:
+        the proposer's state for those blocks comes from the cache."""
+
+    # ---- prefix caching: the draft's state follows the target's blocks --------------------------
+    def cached_tokens(self, seq: Sequence) -> int:
+        """How many of seq's leading positions have final draft-side state in the cache (its KV slots,
+        per-block tensors), so that blocks within them may be shared with later requests."""
+        return seq.num_computed_tokens
+
+    def flush(self, seqs: list[Sequence]) -> None:
+        """These requests are about to release their blocks: bring the draft-side state of their complete
+        blocks up to date (what plain-decoding steps skipped), so the prefix cache can keep them."""
+
+    def cache_planes(self) -> list[torch.Tensor]:
+        """The proposer's tensors indexed by block id, viewed block-first ([num_blocks, ...]): what a
+        block's copy in the host pool must hold besides the target's KV."""
+        return []
