@@ -75,7 +75,7 @@ def specserve_part(args, arch, ceil) -> dict:
     t0 = time.perf_counter()
     llm = LLM(args.config, load_format="dummy", dtype="bfloat16", speculative_algorithm="none",
               max_model_len=args.prompt_len + args.gen_len + 32, max_num_seqs=max_bs,
-              max_num_batched_tokens=max(8192, args.prompt_len * 4))
+              max_num_batched_tokens=max(8192, args.prompt_len * 4), kv_host_ratio=0.0)
     engine = llm.engine
     out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
            "num_graphs": len(engine.runner.graphs.graphs), "decode": {}, "verify_cost": {}}
