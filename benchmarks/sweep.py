@@ -89,8 +89,8 @@ def main() -> None:
         row = "  ".join(f"{n} {results[n][c]['output_throughput']:7.1f} ({results[n][c]['output_throughput'] / results['plain'][c]['output_throughput']:.2f}x)"
                         if "plain" in results else f"{n} {results[n][c]['output_throughput']:7.1f}" for n in engines)
         print(f"C={c:<4} {row}  adaptive mean k {results.get('adaptive', {}).get(c, {}).get('mean_k', 0):.2f}", flush=True)
-    if args.out:
-        json.dump(results, open(args.out, "w"), indent=1)
+        if args.out:  # after every level, so a run cut short keeps what it measured
+            json.dump(results, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -212,10 +212,30 @@ def test_options():
 
 def test_host_pool_is_off_by_default_on_cpu_and_sized_when_asked(pair):
     target, _ = pair
-    assert make_llm(target).engine.blocks.host is None
+    default = make_llm(target).engine.blocks.host
+    assert (default is None) == (DEVICE["name"] == "cpu"), "off on CPU, one device pool's worth on CUDA"
     llm = make_llm(target, num_kv_blocks=40, kv_host_ratio=2.5)
     assert llm.engine.blocks.host.num_slots == 100
     layers, kv_heads, head_dim = 4, 2, 16
     per_block = 2 * layers * 16 * kv_heads * head_dim * 4  # fp32 target KV only
     llm = make_llm(target, num_kv_blocks=40, kv_host_size_gb=per_block * 7 / 2**30)
     assert llm.engine.blocks.host.num_slots == 7
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_stops_inside_accepted_runs_leave_only_kept_tokens_cached(block_size):
+    """The shipped pair, always speculating, with max_tokens falling inside accepted runs: a finishing
+    request's KV past its last kept token must not enter a cached block (nor the draft's catch-up)."""
+    from specserve import LLM
+
+    prompts = [open("specserve/engine/scheduler.py").read()[i:i + 300] for i in range(0, 3000, 300)]
+    plain = LLM(speculative_algorithm="none", device=DEVICE["name"], enable_prefix_caching=False)
+    spec = LLM(speculative_policy="always", device=DEVICE["name"], block_size=block_size)
+    for max_tokens in (3, 5, 6, 9, 13):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want  # twice: the second run hits
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.engine.stats.spec.num_accepted_tokens > 0
+    assert spec.engine.stats.prefix_cache.hit_rate > 0.3
+    assert_pool_full(spec)

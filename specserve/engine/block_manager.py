@@ -151,7 +151,8 @@ class BlockManager:
         if not self.enabled:
             return
         state, bs = self._state(seq), self.block_size
-        complete = min(seq.num_computed_tokens, self.draft_coverage(seq)) // bs
+        # tokens past the last kept one (a stop inside an accepted run) have KV but no place in a block
+        complete = min(seq.num_computed_tokens, self.draft_coverage(seq), len(seq.token_ids)) // bs
         if state.stopped or complete <= len(state.nodes):
             return
         hashes = state.hashes_for(seq.token_ids, complete, bs, self.index.hash_fn)

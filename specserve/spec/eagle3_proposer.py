@@ -122,6 +122,9 @@ class Eagle3Proposer(Proposer):
         bs, behind, ends = self.block_size, [], []
         for seq in seqs:
             end = seq.num_computed_tokens // bs * bs - 1  # the pairs whose slots lie in complete blocks
+            # a stop inside an accepted run (or a step that ran past the stop) computed KV for tokens
+            # the request dropped: a pair needs its next token, so stop at the last one kept
+            end = min(end, len(seq.token_ids) - 1)
             if seq.draft_state is not None and end > seq.draft_state.computed:
                 behind.append(seq)
                 ends.append(end)
@@ -147,8 +150,6 @@ class Eagle3Proposer(Proposer):
             last.append(sum(q_lens) - 1)
             state.computed, state.pending = end, [feats[end - start:]] if end < seq.num_computed_tokens else []
         self.last_catch_up = sum(q_lens)
-        meta = build_metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
-                              backend=self.backend, group=self.group)
         meta = self._metadata(q_lens, seq_lens, seqs)
         logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)
@@ -159,8 +160,6 @@ class Eagle3Proposer(Proposer):
         batch, k = tokens.shape
         masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
         seq_lens = (base + depth * k).tolist()
-        meta = build_metadata([k] * batch, seq_lens, [s.block_table for s in seqs], self.block_size, self.device,
-                              tree_masks=masks, backend=self.backend, group=self.group)
         meta = self._metadata([k] * batch, seq_lens, seqs, masks)
         positions = (base + depth - 1).repeat_interleave(k).to(self.device)
         logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
