@@ -447,8 +447,12 @@ def test_sigterm_drains_then_aborts_and_exits_0(tmp_path, model):
 
         def stream(name: str, max_tokens: int):
             chunks = []
+            # with logprobs every token sends a chunk, so "leaves" can leave even while the random model's
+            # text is held back (bytes that are not yet UTF-8 send no text: runs of 200+ tokens happen)
+            every_token = {"logprobs": 1} if name == "leaves" else {}
             response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens,
-                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                 **every_token)
             for chunk in response:
                 chunks.append(chunk)
                 if name == "leaves" and leave.is_set():

@@ -11,9 +11,9 @@ starts ranks 1..N-1 itself (`python -m specserve.engine.worker`, the launch spec
 launcher and they meet at MASTER_ADDR:MASTER_PORT.
 
 Lifetime: a worker started by rank 0 ignores SIGINT and SIGTERM (rank 0 drains, then ends it) and exits
-at once when its stdin closes, which happens when rank 0 closes the group or dies. Rank 0 waits on every
-worker it started; one that exits while the group is open sets `failure`, the other workers are ended,
-and every later `send` raises. Under a launcher, a lost rank shows as a failed collective instead.
+at once (code 0) when its stdin closes, which happens when rank 0 closes the group or dies. Rank 0 waits on
+every worker it started; one that exits unasked (or fails while the group closes: its death may be why)
+sets `failure`, the other workers are ended, and every later `send` raises. Under a launcher, a lost rank shows as a failed collective instead.
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ class Ranks:
         self._closed = False
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # one message at a time on the control group
+        self._killed: set[subprocess.Popen] = set()  # workers that did not exit when asked, killed here
         self.device = rank_device(config, rank)
         self._threads = torch.get_num_threads()
         if self.device.type == "cpu":  # the ranks share the cores
@@ -170,9 +171,11 @@ class Ranks:
 
     # ---- ending -------------------------------------------------------------------------------
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        """A worker that exits while the group is open, or fails (non-zero, not killed here) even while it
+        closes (its death may be what closed it), breaks the group."""
         code = proc.wait()  # reaps it: no zombie
         with self._lock:
-            if self._closed:
+            if (self._closed and (code == 0 or proc in self._killed)) or self.failure is not None:
                 return
             self.failure = f"tensor-parallel rank {rank} exited with code {code}"
         log.error("%s; ending the other ranks", self.failure)
@@ -203,5 +206,7 @@ class Ranks:
             try:
                 proc.wait(STOP_WAIT_S)
             except subprocess.TimeoutExpired:
+                with self._lock:
+                    self._killed.add(proc)
                 proc.kill()
                 proc.wait()
