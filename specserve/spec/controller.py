@@ -65,18 +65,34 @@ class Window:
         return statistics.median(self.samples)
 
 
-class Ema:
-    def __init__(self, alpha: float):
-        self.alpha, self.value, self.count = alpha, 0.0, 0
+class Rate:
+    """Share of successes among the latest `size` trials, with one pseudo-success and one pseudo-failure
+    (so a few trials cannot pin it at 0 or 1)."""
+
+    def __init__(self, size: int):
+        self.trials: deque[float] = deque(maxlen=size)
+        self.count = 0
 
     def add(self, x: float) -> None:
-        self.value = x if self.count == 0 else (1 - self.alpha) * self.value + self.alpha * x
+        self.trials.append(x)
         self.count += 1
+
+    @property
+    def value(self) -> float:
+        return (sum(self.trials) + 1) / (len(self.trials) + 2)
+
+
+class Mean(Rate):
+    """Mean of the latest `size` values."""
+
+    @property
+    def value(self) -> float:
+        return sum(self.trials) / len(self.trials)
 
 
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
-                 probe_every: int = 64, alpha: float = 0.2, min_samples: int = 2, window: int = 9,
+                 probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 2, window: int = 9,
                  max_probe_every: int = 4096):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
@@ -86,13 +102,13 @@ class Controller:
         self.threshold = threshold
         self.hysteresis = hysteresis
         self.probe_every = probe_every
-        self.alpha = alpha
         self.min_samples = min_samples
         self.window = window
         self.max_probe_every = max_probe_every
         self.step_time: dict[tuple[int, Shape], Window] = {}
-        self.position_accept = [Ema(alpha) for _ in range(max(s.steps for s in shapes))]
-        self.tree_tokens = Ema(alpha)
+        # per draft position: was it accepted, given the ones before it were (the latest verifies)
+        self.position_accept = [Rate(acceptance_window) for _ in range(max(s.steps for s in shapes))]
+        self.tree_tokens = Mean(acceptance_window)
         self.current: dict[int, Shape] = {}
         self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
         self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
