@@ -1,6 +1,6 @@
 """In-process concurrency sweep: plain vs chain vs tree vs threshold vs adaptive, side by side.
 
-    python benchmarks/sweep.py [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200]
+    python benchmarks/sweep.py [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200] [--rounds 1]
                                [--model PATH --draft PATH] [--device cpu|cuda] [--out sweep.json]
 
 `--configs` picks among plain, chain, tree, threshold, adaptive and, to see what the overlap scheduler
@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--draft", default=SHIPPED_DRAFT)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--configs", default="plain,chain,tree,threshold,adaptive")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved repeats of each level; the median throughput is reported")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -84,8 +86,13 @@ def main() -> None:
         run_level(engine, 2, 4, 16)
     results: dict = {name: {} for name in engines}
     for c in levels:
-        for name, engine in engines.items():
-            results[name][c] = run_level(engine, c, max(args.requests, c), args.max_tokens)
+        runs: dict = {name: [] for name in engines}
+        for _ in range(args.rounds):  # interleaved, so the machine's noise hits every configuration alike
+            for name, engine in engines.items():
+                runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens))
+        for name, rs in runs.items():
+            results[name][c] = dict(sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2],
+                                    rounds=[round(r["output_throughput"], 1) for r in rs])
         row = "  ".join(f"{n} {results[n][c]['output_throughput']:7.1f} ({results[n][c]['output_throughput'] / results['plain'][c]['output_throughput']:.2f}x)"
                         if "plain" in results else f"{n} {results[n][c]['output_throughput']:7.1f}" for n in engines)
         print(f"C={c:<4} {row}  adaptive mean k {results.get('adaptive', {}).get(c, {}).get('mean_k', 0):.2f}", flush=True)

@@ -103,14 +103,16 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: Optional[nn.Module] = None  # the target's, set by the proposer
 
-    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logit_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """ids, positions [n]; hidden [n, 3*Ht] target features (first step) or [n, H] the draft's own
-        previous output. Returns (logits over the draft vocabulary [n, draft_vocab], pre-norm hidden [n, H])."""
+        previous output. Returns (logits over the draft vocabulary [n, draft_vocab], or only for
+        logit_rows when given, and the pre-norm hidden [n, H])."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
         h = self.midlayer(self.embed_tokens(ids), hidden, positions, meta)
-        return self.lm_head(self.norm(h)), h
+        out = h if logit_rows is None else h[logit_rows]
+        return self.lm_head(self.norm(out)), h
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]

@@ -151,9 +151,10 @@ class Eagle3Proposer(Proposer):
             state.computed, state.pending = end, [feats[end - start:]] if end < seq.num_computed_tokens else []
         self.last_catch_up = sum(q_lens)
         meta = self._metadata(q_lens, seq_lens, seqs)
-        logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta)
         index = self._ids(last)
-        return logits[index], h[index]
+        # the draft's KV of every pair is what a catch-up is for; logits only of each sequence's last
+        logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta, index)
+        return logits, h[index]
 
     def _expand(self, seqs, base, depth, tokens, h_in, ancestors):
         """Run the draft on the K nodes being expanded at this depth (scratch slots past the prefix)."""
