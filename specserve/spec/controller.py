@@ -136,7 +136,9 @@ class Controller:
         scores = {s: self.goodput(b, s, batch_size) for s in measured}
         best = max(scores, key=scores.get)
         current = self.current.get(b, best)
-        if current in scores and scores[best] < scores[current] * (1 + self.hysteresis):
+        # leaving plain decoding costs a draft catch-up over the gap: ask twice the margin for it
+        margin = self.hysteresis * (2 if current == PLAIN else 1)
+        if current in scores and scores[best] < scores[current] * (1 + margin):
             best = current
         self.current[b] = best
         return self._maybe_probe(b, best)
