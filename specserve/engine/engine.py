@@ -39,9 +39,6 @@ class InFlight:
     host: Optional[torch.Tensor] = None  # [len(seqs)] pinned on CUDA
     event: Optional[torch.cuda.Event] = None  # recorded after the copy to `host`
 
-    def __post_init__(self):
-        self.logprobs = self.logprobs or [None] * len(self.seqs)
-
     def start_copy(self, buffer: torch.Tensor, event: Optional[torch.cuda.Event]) -> None:
         """Copy the tokens into buffer (a slice of a preallocated host buffer) without waiting."""
         self.host = buffer[:len(self.seqs)]
@@ -219,7 +216,7 @@ class LLMEngine:
         steady = not speculating or self.proposer.last_catch_up <= len(speculating) * (self.shape.steps + 1)
         if steady and self._decoding_only(batch):
             # decode-only steps without a long catch-up teach the controller what each shape costs
-            self._record(len(batch), self.shape if speculating else PLAIN, time.perf_counter() - start)
+            self.controller.record_step(len(batch), self.shape if speculating else PLAIN, time.perf_counter() - start)
         return outputs
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------
@@ -234,19 +231,16 @@ class LLMEngine:
         outputs = self._resolve(previous) if previous is not None else []
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch and self._decoding_only(batch):
-            self._record(len(batch), PLAIN, time.perf_counter() - start)
+            self.controller.record_step(len(batch), PLAIN, time.perf_counter() - start)
         return outputs
 
     def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput) -> "InFlight":
         """Commit the batch's KV, sample on the device and start copying the tokens to the host."""
         sampling = [i for i, item in enumerate(batch) if item.samples]
         seqs = [batch[i].seq for i in sampling]
-        tokens = None
+        tokens, logprobs = None, []
         if seqs:
-            rows = [out.rows[i][0] for i in sampling]
-            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-            logits = out.logits[rows[0]:rows[0] + len(rows)] if contiguous else \
-                out.logits[to_device(rows, torch.long, out.logits.device)]  # [len(seqs), vocab]
+            logits = self._sampling_logits(out, sampling)
             tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
         for i, item in enumerate(batch):
@@ -256,7 +250,7 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
         self.runner.pending_tokens = tokens
-        flight = InFlight(seqs, tokens, logprobs if seqs else [])
+        flight = InFlight(seqs, tokens, logprobs)
         if seqs:
             self._flip = 1 - self._flip  # two host buffers: one being read, one being filled
             flight.start_copy(self.host_buffers[self._flip], self.copy_events[self._flip])
@@ -284,12 +278,17 @@ class LLMEngine:
         return self.controller is not None and all(
             item.seq.num_computed_tokens > item.seq.num_prompt_tokens or item.draft is not None for item in batch)
 
-    def _record(self, batch_size: int, shape: Shape, seconds: float) -> None:
-        self.controller.record_step(batch_size, shape, seconds)
+    @staticmethod
+    def _sampling_logits(out: ForwardOutput, items: list[int]) -> torch.Tensor:
+        """[len(items), vocab]: the logits row of each of these batch items (a view when contiguous)."""
+        rows = [out.rows[i][0] for i in items]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return out.logits[rows[0]:rows[0] + len(rows)]
+        return out.logits[to_device(rows, torch.long, out.logits.device)]
 
     def _apply(self, batch: list[ScheduledSeq], out: ForwardOutput) -> list[RequestOutput]:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
-        sampled = dict(zip(plain, self.runner.sample(out.logits[[out.rows[i][0] for i in plain]],
+        sampled = dict(zip(plain, self.runner.sample(self._sampling_logits(out, plain),
                                                      [batch[i].seq for i in plain]))) if plain else {}
         outputs, finished = [], []
         for i, item in enumerate(batch):

@@ -177,19 +177,28 @@ def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: to
     return torch.cat(parts)
 
 
+def new_token_slots(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+                    ) -> list[int]:
+    """Cache slot of each new token: q_lens[i] tokens ending at position seq_lens[i] - 1 of sequence i."""
+    return [table[p // block_size] * block_size + p % block_size
+            for q, n, table in zip(q_lens, seq_lens, block_tables) for p in range(n - q, n)]
+
+
+def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[batch, longest table] int32, zero-padded."""
+    width = max(1, max(len(t) for t in block_tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+
+
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
                           tree_masks: Optional[list[Optional[torch.Tensor]]] = None) -> TritonMetadata:
     """The same contract as attention.build_metadata (q_lens[i] new tokens are the last of seq_lens[i])."""
     batch = len(q_lens)
     block_q = block_q_for(max(q_lens), group)
-    width = max(1, max(len(t) for t in block_tables))
-    tables = torch.zeros(batch, width, dtype=torch.int32)
-    slots, q_starts, tree_lens, tile_seq, tile_q0 = [], [], [], [], []
+    q_starts, tree_lens, tile_seq, tile_q0 = [], [], [], []
     start = 0
-    for i, (q, n, table) in enumerate(zip(q_lens, seq_lens, block_tables)):
-        tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(n - q, n))
+    for i, q in enumerate(q_lens):
         q_starts.append(start)
         tree = tree_masks[i] if tree_masks is not None else None
         tree_lens.append(tree.shape[1] if tree is not None else 0)
@@ -201,7 +210,8 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
     def t(values, dtype=torch.int32):
         return to_device(values, dtype, device)
 
-    return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(tables),
+    slots = new_token_slots(q_lens, seq_lens, block_tables, block_size)
+    return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(padded_tables(block_tables)),
                           seq_lens=t(seq_lens), q_starts=t(q_starts), q_lens=t(q_lens),
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens), tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size)

@@ -97,7 +97,8 @@ if triton is not None:
         tl.store(VC + slot * stride_ct + kh * stride_ch + vd, tl.load(vb + vd, mask=kmask, other=0.0), mask=kmask)
 
 
-def can_rope_and_cache(q: torch.Tensor) -> bool:
+def rotary_fits(q: torch.Tensor) -> bool:
+    """Can the rotary kernels take q [T, heads, head_dim] (CUDA inference, half the head a power of 2)?"""
     half = q.shape[-1] // 2
     return use_triton(q) and half >= 8 and half & (half - 1) == 0
 

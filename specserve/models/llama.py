@@ -36,7 +36,7 @@ class DecoderAttention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(meta, TritonMetadata) and triton_ops.can_rope_and_cache(q):
+        if isinstance(meta, TritonMetadata) and triton_ops.rotary_fits(q):
             triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache,
                                       meta.slot_mapping)
             out = self.attn(q, k, v, meta, kv_written=True)

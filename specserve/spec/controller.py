@@ -49,45 +49,30 @@ def bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
-class Window:
-    """The latest `size` samples; their median is the estimate."""
+class Recent:
+    """The latest `size` observations, read as their median, their mean, or a rate of successes with
+    one pseudo-success and one pseudo-failure (so a few trials cannot pin it at 0 or 1)."""
 
     def __init__(self, size: int):
-        self.samples: deque[float] = deque(maxlen=size)
-        self.count = 0
+        self.values: deque[float] = deque(maxlen=size)
 
     def add(self, x: float) -> None:
-        self.samples.append(x)
-        self.count += 1
+        self.values.append(x)
+
+    def __len__(self) -> int:
+        return len(self.values)
 
     @property
-    def value(self) -> float:
-        return statistics.median(self.samples)
-
-
-class Rate:
-    """Share of successes among the latest `size` trials, with one pseudo-success and one pseudo-failure
-    (so a few trials cannot pin it at 0 or 1)."""
-
-    def __init__(self, size: int):
-        self.trials: deque[float] = deque(maxlen=size)
-        self.count = 0
-
-    def add(self, x: float) -> None:
-        self.trials.append(x)
-        self.count += 1
+    def median(self) -> float:
+        return statistics.median(self.values)
 
     @property
-    def value(self) -> float:
-        return (sum(self.trials) + 1) / (len(self.trials) + 2)
-
-
-class Mean(Rate):
-    """Mean of the latest `size` values."""
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
 
     @property
-    def value(self) -> float:
-        return sum(self.trials) / len(self.trials)
+    def rate(self) -> float:
+        return (sum(self.values) + 1) / (len(self.values) + 2)
 
 
 class Controller:
@@ -105,10 +90,10 @@ class Controller:
         self.min_samples = min_samples
         self.window = window
         self.max_probe_every = max_probe_every
-        self.step_time: dict[tuple[int, Shape], Window] = {}
+        self.step_time: dict[tuple[int, Shape], Recent] = {}
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
-        self.position_accept = [Rate(acceptance_window) for _ in range(max(s.steps for s in shapes))]
-        self.tree_tokens = Mean(acceptance_window)
+        self.position_accept = [Recent(acceptance_window) for _ in range(max(s.steps for s in shapes))]
+        self.tree_tokens = Recent(acceptance_window)
         self.current: dict[int, Shape] = {}
         self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
         self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
@@ -162,25 +147,24 @@ class Controller:
         if shape.steps == 0:
             return 1.0
         if shape.topk > 1:
-            return self.tree_tokens.value if self.tree_tokens.count else 1.0
+            return self.tree_tokens.mean if len(self.tree_tokens) else 1.0
         total, reach = 1.0, 1.0
         for i in range(shape.steps):
-            reach *= self.position_accept[i].value if self.position_accept[i].count else 0.5
+            reach *= self.position_accept[i].rate if len(self.position_accept[i]) else 0.5
             total += reach
         return total
 
     def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
-        time = self.step_time[(b, shape)].value
+        time = self.step_time[(b, shape)].median
         return batch_size * self.expected_tokens(shape) / max(time, 1e-9)
 
     def _samples(self, b: int, shape: Shape) -> int:
-        ema = self.step_time.get((b, shape))
-        return ema.count if ema else 0
+        return len(self.step_time.get((b, shape), ()))
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
         key = (bucket(batch_size), shape)
-        self.step_time.setdefault(key, Window(self.window)).add(seconds)
+        self.step_time.setdefault(key, Recent(self.window)).add(seconds)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         if shape.topk > 1:
