@@ -1,18 +1,26 @@
-"""Step time and output tokens/s of one rank against two, per configuration, with the share of each step
-rank 0 spent waiting in collectives (all-reduce, all-gather, sending the step's call) and the time the
-EAGLE-3 head (on rank 0 alone) takes per speculative step.
+"""One rank against several: decode tokens/s per batch size, the share of each step spent in collectives,
+and the k the adaptive controller chooses per batch size, for tensor_parallel_size 1 and N side by side.
 
-    python benchmarks/tensor_parallel.py [--tp 2] [--batch 1,4] [--max-tokens 48] [--device cpu|cuda]
-                                         [--threads N]
+    python benchmarks/tensor_parallel.py --threads 1                       # the shipped pair on this CPU
+    python benchmarks/tensor_parallel.py --device cuda --load-format dummy \\
+        --model benchmarks/configs/llama-3.1-8b --draft benchmarks/configs/llama-3.1-8b-eagle3 \\
+        --batch 1,8,64 --acceptance 0.77,0.61,0.53 --out tp.json           # the Llama-3.1-8B shape
 
-`--threads` sets rank 0's torch threads before anything starts (on a busy CPU, 1 avoids OpenMP's
-pathologies); the ranks then split what they were given. The adaptive row also reports the k it chose on
-average over decode steps.
+Configurations: plain (no drafter), chain (speculate every step) and adaptive (the default policy).
+Only steps in which every request decodes count (prefill excluded). Collective time: on CUDA, the device
+time of NCCL kernels in a profiled window of steps (they include waiting for the other rank), per step,
+over the unprofiled step time; on CPU, rank 0's wall time inside all-reduce / all-gather / sending the
+step's call. `--acceptance` pins the controller's per-position acceptance (dummy weights accept nothing,
+so the choice would be k = 0 whatever the costs): the k it then picks shows what the measured step costs
+of one rank against N decide, for a drafter that accepts that often. Writes every figure to `--out`.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -25,9 +33,22 @@ PROMPTS = ["def read_config(path):\n", "class LRUCache:\n    def __init__(self, 
 CONFIGURATIONS = {
     "plain": dict(speculative_algorithm="none"),
     "chain": dict(speculative_policy="always"),
-    "adaptive": dict(),
+    "adaptive": dict(speculative_policy="adaptive"),
 }
-waited = [0.0]
+host_waited = [0.0]
+
+
+class Pinned:
+    """A fixed acceptance rate in place of the controller's live window (see --acceptance)."""
+
+    def __init__(self, rate: float):
+        self.rate = self.mean = rate
+
+    def __len__(self) -> int:
+        return 1
+
+    def add(self, x: float) -> None:
+        pass
 
 
 def timed(cls, name: str) -> None:
@@ -38,33 +59,108 @@ def timed(cls, name: str) -> None:
         try:
             return real(*args, **kwargs)
         finally:
-            waited[0] += time.perf_counter() - t0
+            host_waited[0] += time.perf_counter() - t0
 
     setattr(cls, name, wrapper)
 
 
-def measure(tp: int, batch: int, max_tokens: int, device: str, options: dict) -> dict:
-    llm = LLM(None, tensor_parallel_size=tp, device=device, **options)
+def prompts(batch: int, args, vocab: int, gen: torch.Generator) -> list:
+    if args.load_format == "dummy":
+        return [torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+
+
+def start(engine, batch: int, args, gen) -> None:
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for p in prompts(batch, args, engine.arch.vocab_size, gen):
+        engine.add_request(p, params)
+
+
+def all_decoding(engine, batch: int) -> bool:
+    running = engine.scheduler.running
+    return len(running) == batch and all(s.num_computed_tokens >= s.num_prompt_tokens for s in running)
+
+
+def decode_steps(engine, batch: int, args, gen) -> dict:
+    """Run `batch` requests to the end; time the steps in which all of them decode."""
+    start(engine, batch, args, gen)
+    stats = engine.stats
+    seconds, tokens, steps, ks, waited = 0.0, 0, 0, Counter(), 0.0
+    while engine.has_unfinished():
+        decoding = all_decoding(engine, batch)
+        before, host_before, t = stats.num_generation_tokens, host_waited[0], time.perf_counter()
+        engine.step()
+        if decoding and len(engine.scheduler.running) == batch:
+            seconds += time.perf_counter() - t
+            tokens += stats.num_generation_tokens - before
+            waited += host_waited[0] - host_before
+            steps += 1
+            ks[stats.spec.last_k if engine.controller is not None else 0] += 1
+    return dict(seconds=seconds, tokens=tokens, steps=steps, ks=ks, host_waited=waited)
+
+
+def nccl_ms_per_step(engine, batch: int, args, gen, window: int = 16) -> float:
+    """Device milliseconds of NCCL kernels per decode step, over a profiled window of decode steps (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start(engine, batch, args, gen)
+    while engine.has_unfinished() and not all_decoding(engine, batch):
+        engine.step()
+    steps = 0
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while steps < window and all_decoding(engine, batch):
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    us = sum(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+             for e in prof.key_averages() if "nccl" in e.key.lower())
+    return us / 1e3 / max(1, steps)
+
+
+def measure(tp: int, name: str, args) -> dict:
+    options = dict(CONFIGURATIONS[name])
+    if name != "plain" and args.draft:
+        options["speculative_draft_model_path"] = args.draft
+    if name != "plain":
+        options.setdefault("speculative_algorithm", "EAGLE3")
+    llm = LLM(args.model, tensor_parallel_size=tp, device=args.device, load_format=args.load_format,
+              max_model_len=args.prompt_len + args.max_tokens + 64, max_num_seqs=max(args.batches),
+              kv_host_ratio=0.0, **options)
+    engine = llm.engine
+    rows = {}
     try:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate(PROMPTS[:batch], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm
-        stats = llm.engine.stats
-        steps, tokens, k_sum, k_steps = stats.num_steps, stats.num_generation_tokens, 0, 0
-        draft_s, drafting = stats.spec.draft_time_s, 0
-        waited[0] = 0.0
-        t0 = time.perf_counter()
-        for p in PROMPTS[:batch]:
-            llm.engine.add_request(p, params)
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-            k_sum, k_steps, drafting = k_sum + stats.spec.last_k, k_steps + 1, drafting + (stats.spec.last_k > 0)
-        seconds = time.perf_counter() - t0
-        steps = stats.num_steps - steps
-        return dict(ms_per_step=1000 * seconds / steps, tok_s=(stats.num_generation_tokens - tokens) / seconds,
-                    comm=waited[0] / seconds, mean_k=k_sum / k_steps,
-                    draft_ms=1000 * (stats.spec.draft_time_s - draft_s) / max(1, drafting))
+        if engine.controller is not None and args.acceptance:
+            rates = [float(x) for x in args.acceptance.split(",")]
+            engine.controller.position_accept = [Pinned(rates[min(i, len(rates) - 1)])
+                                                 for i in range(len(engine.controller.position_accept))]
+        gen = torch.Generator().manual_seed(0)
+        warm = dict(vars(args), max_tokens=8)
+        for batch in args.batches:
+            decode_steps(engine, batch, argparse.Namespace(**warm), gen)  # warm: compiles, controller samples
+            r = min((decode_steps(engine, batch, args, gen) for _ in range(args.rounds)), key=lambda r: r["seconds"])
+            ms = 1e3 * r["seconds"] / r["steps"]
+            row = dict(tok_s=r["tokens"] / r["seconds"], ms_per_step=ms, decode_steps=r["steps"],
+                       k_chosen={str(k): n for k, n in sorted(r["ks"].items())},
+                       mean_k=sum(k * n for k, n in r["ks"].items()) / r["steps"])
+            if tp > 1 and args.device == "cuda":
+                nccl = nccl_ms_per_step(engine, batch, args, gen)
+                row["collective_ms_per_step"] = nccl
+                row["collective_share"] = nccl / ms
+            elif tp > 1:
+                row["collective_share"] = r["host_waited"] / r["seconds"]
+            rows[batch] = row
+            share = f"{100 * row['collective_share']:.0f}%" if "collective_share" in row else "-"
+            print(f"| {batch} | {name} | {tp} | {ms:.2f} | {row['tok_s']:,.0f} | {share} | {row['mean_k']:.2f} | "
+                  f"{row['k_chosen']} |", flush=True)
+        graphs = engine.runner.graphs
+        return dict(rows=rows, cuda_graphs=graphs is not None and len(graphs.graphs) > 0)
     finally:
-        llm.engine.close()
+        engine.close()
+        del llm, engine
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -72,22 +168,38 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--batch", default="1,4")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens with dummy weights")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per point; the fastest counts")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--model", default=None, help="target folder (default: the shipped target)")
+    parser.add_argument("--draft", default=None, help="EAGLE-3 folder (default: the shipped drafter)")
+    parser.add_argument("--load-format", default="safetensors", choices=("safetensors", "dummy"))
+    parser.add_argument("--acceptance", default=None, help="pin per-position acceptance, e.g. 0.77,0.61,0.53")
+    parser.add_argument("--configs", default="plain,chain,adaptive")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    args.batches = [int(b) for b in args.batch.split(",")]
     if args.threads:
         torch.set_num_threads(args.threads)
     for cls, name in ((TensorParallel, "all_reduce"), (TensorParallel, "all_gather"), (Ranks, "send")):
         timed(cls, name)
-    print("| batch | configuration | ranks | ms / step | output tok/s | rank 0 in collectives | mean k | "
-          "draft ms / speculative step |")
+    print("| batch | configuration | ranks | ms / step | output tok/s | step in collectives | mean k | k chosen "
+          "(steps) |")
     print("|---|---|---|---|---|---|---|---|")
-    for batch in map(int, args.batch.split(",")):
-        for name, options in CONFIGURATIONS.items():
-            for tp in (1, args.tp):
-                r = measure(tp, batch, args.max_tokens, args.device, options)
-                print(f"| {batch} | {name} | {tp} | {r['ms_per_step']:.1f} | {r['tok_s']:.1f} | "
-                      f"{100 * r['comm']:.0f}% | {r['mean_k']:.2f} | {r['draft_ms']:.1f} |", flush=True)
+    results = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                   args={k: v for k, v in vars(args).items() if k != "batches"}, runs={})
+    for name in args.configs.split(","):
+        for tp in (1, args.tp):
+            results["runs"][f"{name}/tp{tp}"] = measure(tp, name, args)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+    for name in args.configs.split(","):
+        one, many = results["runs"].get(f"{name}/tp1"), results["runs"].get(f"{name}/tp{args.tp}")
+        ratios = [many["rows"][b]["tok_s"] / one["rows"][b]["tok_s"] for b in one["rows"]]
+        print(f"{name}: TP={args.tp} / TP=1 tok/s per batch: " + ", ".join(f"{x:.2f}" for x in ratios)
+              + f" (median {statistics.median(ratios):.2f})")
 
 
 if __name__ == "__main__":

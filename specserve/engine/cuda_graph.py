@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import to_device
-from ..layers.triton_attention import TritonMetadata, block_q_for, tree_bits
+from ..layers.triton_attention import TritonMetadata, block_q_for, new_token_slots, padded_tables, tree_bits
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class GraphRunner:
             for bs in reversed(sizes):
                 self._run(bs, q)  # warm up: compile kernels, settle the allocator
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     self.outputs[(bs, q)] = self._run(bs, q)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[(bs, q)] = graph
@@ -108,11 +108,9 @@ class GraphRunner:
         """Fill the static inputs from step (resolve: fills in tokens still on the device) and replay."""
         bs, q = key
         real, n = len(step.q_lens), len(step.ids)
-        bsz = self.block_size
-        slots = [step.block_tables[i][p // bsz] * bsz + p % bsz
-                 for i, (ql, sl) in enumerate(zip(step.q_lens, step.seq_lens)) for p in range(sl - ql, sl)]
-        width = max(len(t) for t in step.block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in step.block_tables], dtype=torch.int32)
+        slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
+        tables = padded_tables(step.block_tables)  # [real, width]
+        width = tables.shape[1]
         longs = torch.tensor([step.ids, step.positions, slots], dtype=torch.long)  # [3, n]
         ints = torch.tensor([step.seq_lens + [0] * (bs - real),
                              [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],

@@ -117,10 +117,15 @@ class ModelRunner:
 
     # ---- CUDA graphs -------------------------------------------------------------------------
     def capture_graphs(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
-        """Capture decode/verify graphs (one CUDA device with the triton backend, unless enforce_eager)."""
+        """Capture decode/verify graphs on every rank, in step (CUDA with the triton backend, unless
+        enforce_eager); under tensor parallelism the graphs hold the ranks' collectives."""
         ex = self.config.execution
-        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton" or self.ranks:
-            return
+        if self.device.type == "cuda" and not ex.enforce_eager and ex.attention_backend == "triton":
+            self._everywhere("capture", aux_layers, tokens_per_seq)
+
+    def capture(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
+        ex = self.config.execution
+        aux_layers = aux_layers if not self.ranks or self.ranks.rank == 0 else ()  # the draft is rank 0's
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
                                   aux_layers, self.group, self.scratch_slot, self.device)

@@ -10,4 +10,5 @@ def make_proposer(config, target_arch, runner):
     if spec.speculative_algorithm != "EAGLE3":
         raise ValueError(f"unknown speculative algorithm {spec.speculative_algorithm!r}")
     return Eagle3Proposer(spec, target_arch, runner.draft_embedding, runner.num_blocks * runner.block_size,
-                          runner.block_size, runner.dtype, runner.device, runner.backend)
+                          runner.block_size, runner.dtype, runner.device, runner.backend,
+                          config.model.load_format, config.model.seed)

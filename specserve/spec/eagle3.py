@@ -22,7 +22,7 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import ArchConfig, DecoderShape, read_config
 from ..models.llama import MLP, LlamaForCausalLM
-from ..models.loader import WeightError, build, load_weights
+from ..models.loader import WeightError, build, dummy_weights, load_weights
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -138,8 +138,10 @@ def _draft_tensors(folder: str):
         yield name, t
 
 
-def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: torch.device) -> Eagle3Draft:
-    """Load a draft and check that it fits the target (hidden size, vocabulary, layer ids)."""
+def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: torch.device,
+                load_format: str = "safetensors", seed: int = 0) -> Eagle3Draft:
+    """Load a draft and check that it fits the target (hidden size, vocabulary, layer ids); with
+    load_format "dummy", random weights of the config's shape (d2t zero: the first draft_vocab_size ids)."""
     c = Eagle3Config.from_dict(read_config(folder))
     if c.target_hidden_size != target.hidden_size:
         raise ValueError(f"draft expects target hidden size {c.target_hidden_size}, target has {target.hidden_size}")
@@ -152,6 +154,9 @@ def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: tor
     if bad:
         raise ValueError(f"draft reads target layer {bad[0]}, the target has {target.num_layers} layers")
     model = build(Eagle3Draft, c, dtype, device)
+    if load_format == "dummy":
+        dummy_weights(model, seed + 1)
+        return model.eval()
     tensors = {}
     for name, t in _draft_tensors(folder):
         if name == "t2d":

@@ -37,12 +37,15 @@ class DraftState:
 
 class Eagle3Proposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_embedding, num_slots_total: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch"):
-        """target_embedding: the target's token embedding, whole (the draft shares it)."""
+                 block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch",
+                 load_format: str = "safetensors", seed: int = 0):
+        """target_embedding: the target's token embedding, whole (the draft shares it); load_format and
+        seed as the target's (dummy weights for a dummy target)."""
         self.block_size = block_size
         self.backend = backend
         self.device = device
-        self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device)
+        self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device,
+                                                 load_format, seed)
         self.draft.embed_tokens = target_embedding
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
