@@ -116,6 +116,8 @@ def speculating_share(llm: LLM) -> float:
     return stats.spec.num_drafts / stats.num_steps
 
 
+@pytest.mark.skipif(DEVICE["name"] == "cuda", reason="CUDA graphs replay the collectives without Python: "
+                    "a patched all_reduce would slow only the eager (prefill) steps")
 def test_a_slow_link_makes_the_controller_speculate_less(monkeypatch):
     """The controller times whole steps on rank 0, communication included. With the link slowed to 0.2 MB/s
     (every all-reduce waits for its bytes on rank 0, so every rank waits) a verify of k+1 tokens per

@@ -113,8 +113,7 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.shape: Shape = PLAIN
-        # other ranks run each step from plain inputs: a token still on rank 0's device cannot be sent
-        self.overlap = not config.execution.disable_overlap_schedule and config.parallel.tensor_parallel_size == 1
+        self.overlap = not config.execution.disable_overlap_schedule
         self.inflight: Optional[InFlight] = None
         on_cuda = self.runner.device.type == "cuda"
         rows = config.scheduler.max_num_seqs
@@ -224,7 +223,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(self._decode_shape)
         previous, self.inflight = self.inflight, None
         if batch:
-            out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else ())
+            out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else (), publish=True)
             self.stats.num_steps += 1
             self.stats.spec.last_k = 0
             self.inflight = self._launch_sampling(batch, out)
@@ -249,7 +248,7 @@ class LLMEngine:
         for row, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = row
-        self.runner.pending_tokens = tokens
+        self.runner.publish(tokens)
         flight = InFlight(seqs, tokens, logprobs)
         if seqs:
             self._flip = 1 - self._flip  # two host buffers: one being read, one being filled

@@ -178,15 +178,34 @@ class ModelRunner:
             step.block_tables.append(seq.block_table)
         return step, rows, offsets
 
-    def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+    def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = (),
+                publish: bool = False) -> ForwardOutput:
+        """The model on a batch. publish: the engine will hand this step's sampled tokens (one per
+        sampling item) to `publish` without reading them, and the next step's inputs may refer to them."""
         step, rows, offsets = self.prepare(batch)
-        logits, aux = self._everywhere("run", step, aux_layers)
+        sampled = sum(1 for item in batch if item.samples) if publish else 0
+        logits, aux = self._everywhere("run", step, aux_layers, sampled)
         return ForwardOutput(logits, rows, aux, offsets)
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run(self, step: StepInputs, aux_layers: tuple[int, ...], sampled: int = 0
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The model on one step: logits [len(logit_index), vocab] fp32 and the auxiliary hidden states
-        [num_tokens, aux_dim] (None without aux_layers); from a CUDA graph when one fits."""
+        [num_tokens, aux_dim] (None without aux_layers); from a CUDA graph when one fits. Ranks other than 0
+        then receive the `sampled` tokens rank 0 publishes for this step."""
+        out = self._model_step(step, aux_layers)
+        if sampled and self.ranks is not None and self.ranks.rank != 0:
+            self.pending_tokens = self.ranks.tp.broadcast(torch.empty(sampled, dtype=torch.long, device=self.device))
+        return out
+
+    def publish(self, tokens: Optional[torch.Tensor]) -> None:
+        """Rank 0: tokens [rows] sampled on the device from the latest forward(publish=True) become the
+        pending tokens the next step's placeholders read, here and (broadcast) on every other rank."""
+        self.pending_tokens = tokens
+        if tokens is not None and self.ranks is not None:
+            self.ranks.tp.broadcast(tokens)
+
+    def _model_step(self, step: StepInputs, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
             return self.graphs.replay(key, step, self.resolve_pending)
@@ -201,7 +220,7 @@ class ModelRunner:
 
     def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
         """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device
-        (overlap scheduling, one rank only)."""
+        (overlap scheduling)."""
         if self.pending_tokens is None:
             return ids
         return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])

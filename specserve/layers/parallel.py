@@ -28,6 +28,14 @@ class TensorParallel:
             self.group.allreduce([x]).wait()
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite x on every rank with rank src's x, in place."""
+        if self.size > 1:
+            options = torch.distributed.BroadcastOptions()
+            options.rootRank = src
+            self.group.broadcast([x], options).wait()
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's x along dim, in rank order."""
         if self.size == 1:
