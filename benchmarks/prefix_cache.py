@@ -118,10 +118,11 @@ def run(engine: LLMEngine, system: list[int], messages, args) -> dict:
 def configurations(args, pool_small: int, pool_ample: int) -> dict[str, dict]:
     small = dict(num_kv_blocks=pool_small)
     host = dict(small, kv_host_ratio=args.host_ratio)
+    no_host = dict(kv_host_ratio=0.0)  # the host tier is on by default on CUDA
     return {
-        "off": dict(enable_prefix_caching=False, num_kv_blocks=pool_ample),
-        "device": dict(num_kv_blocks=pool_ample),
-        "device_small": small,
+        "off": dict(no_host, enable_prefix_caching=False, num_kv_blocks=pool_ample),
+        "device": dict(no_host, num_kv_blocks=pool_ample),
+        "device_small": dict(no_host, **small),
         "host_wt": dict(host, kv_host_policy="write_through"),
         "host_wb": dict(host, kv_host_policy="write_back"),
     }

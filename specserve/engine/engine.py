@@ -38,6 +38,10 @@ class InFlight:
     logprobs: list  # per sequence: TokenLogprob or None
     host: Optional[torch.Tensor] = None  # [len(seqs)] pinned on CUDA
     event: Optional[torch.cuda.Event] = None  # recorded after the copy to `host`
+    decoding: bool = False  # every item decoded (no prefill)
+    alone: bool = False  # launched with no step in flight: the device was idle when it started
+    batch_size: int = 0
+    started: float = 0.0  # perf_counter when its step began
 
     def start_copy(self, buffer: torch.Tensor, event: Optional[torch.cuda.Event]) -> None:
         """Copy the tokens into buffer (a slice of a preallocated host buffer) without waiting."""
@@ -193,7 +197,8 @@ class LLMEngine:
             self.shape = self.controller.choose(max(1, len(self.scheduler.running)))
         if self.overlap and self.shape.steps == 0:
             return self._step_overlapped(start)
-        outputs = self._resolve(self.inflight) if self.inflight is not None else []
+        outputs = self._drain() if self.inflight is not None else []
+        start = time.perf_counter()  # the drained step's device time belongs to that step
         batch = self.scheduler.schedule(self._decode_shape)
         if not batch:
             return outputs
@@ -227,10 +232,22 @@ class LLMEngine:
             self.stats.num_steps += 1
             self.stats.spec.last_k = 0
             self.inflight = self._launch_sampling(batch, out)
+            self.inflight.decoding, self.inflight.alone = self._decoding_only(batch), previous is None
+            self.inflight.batch_size, self.inflight.started = len(batch), start
         outputs = self._resolve(previous) if previous is not None else []
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if batch and self._decoding_only(batch):
+        if batch and self.inflight.decoding and previous is not None and previous.decoding:
+            # launch to launch, the wait for the previous decode step included: one decode step's time
             self.controller.record_step(len(batch), PLAIN, time.perf_counter() - start)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Resolve the step in flight before a step that cannot overlap it. A plain step that ran alone
+        (a probe between speculative steps) is timed here, launch to tokens on the host."""
+        flight = self.inflight
+        outputs = self._resolve(flight)
+        if flight.decoding and flight.alone:
+            self.controller.record_step(flight.batch_size, PLAIN, time.perf_counter() - flight.started)
         return outputs
 
     def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput) -> "InFlight":

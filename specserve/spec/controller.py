@@ -98,6 +98,8 @@ class Controller:
         self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
         self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
         self.probed: dict[int, Shape] = {}  # per bucket: the choice when the last probe was made
+        self.last_sample: dict[tuple[int, Shape], int] = {}  # (bucket, shape): the record that last timed it
+        self.records = 0
         self.steps_taken = 0
 
     # ---- decisions ----------------------------------------------------------------------------
@@ -129,7 +131,8 @@ class Controller:
         return self._maybe_probe(b, best)
 
     def _maybe_probe(self, b: int, best: Shape) -> Shape:
-        """Now and then, a neighbour of the best shape instead, so its estimates stay fresh."""
+        """Now and then, instead of the best shape, the one whose time estimate is oldest, so that no
+        estimate stays stale (one taken in an odd step would otherwise hold for good)."""
         if b not in self.next_probe:
             self.probe_gap[b] = self.probe_every
             self.next_probe[b] = self.steps_taken + self.probe_every
@@ -139,8 +142,8 @@ class Controller:
         self.probe_gap[b] = min(2 * self.probe_gap[b], self.max_probe_every) if settled else self.probe_every
         self.next_probe[b] = self.steps_taken + self.probe_gap[b]
         self.probed[b] = best
-        i = self.shapes.index(best)
-        return self.shapes[i + 1] if i + 1 < len(self.shapes) else self.shapes[max(0, i - 1)]
+        others = [s for s in self.shapes if s != best] or [best]
+        return min(others, key=lambda s: self.last_sample.get((b, s), -1))
 
     def expected_tokens(self, shape: Shape) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
@@ -165,6 +168,8 @@ class Controller:
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
         key = (bucket(batch_size), shape)
         self.step_time.setdefault(key, Recent(self.window)).add(seconds)
+        self.records += 1
+        self.last_sample[key] = self.records
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         if shape.topk > 1:
