@@ -80,3 +80,12 @@ def test_an_outlier_step_does_not_flip_the_choice():
     best = c.choose(1)
     c.record_step(1, best, 0.5)  # one step fifty times dearer (a long catch-up, a hiccup of the machine)
     assert c.choose(1) == best
+
+
+def test_a_near_tie_with_plain_goes_to_plain():
+    # chain 1 gains 3% over plain (1.6 tokens for 1.55x the time): under the margin, so plain, even when
+    # the chain was the choice while acceptance was high
+    c = Controller("adaptive", SHAPES[:2])
+    cost = lambda s: 0.010 * (1 + 0.55 * s.k)  # noqa: E731
+    assert settled(feed(c, 16, cost, accept=0.95)) != PLAIN
+    assert settled(feed(c, 16, cost, accept=0.6, steps=1500, seed=1)) == PLAIN

@@ -12,7 +12,8 @@ Policies:
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
   bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
   and the one long catch-up that follows a plain phase). Unmeasured shapes are tried in order of
-  size until a larger one has clearly lost, a switch needs a clear gain (hysteresis), and a
+  size until a larger one has clearly lost, a switch needs a clear gain (hysteresis), a draft is
+  chosen only while it clearly beats plain decoding (near-ties go to plain), and a
   neighbouring shape is probed so a dropped one can come back: after `probe_every` steps, and twice
   as long after each probe that changed nothing (a probe of k > 0 after a plain phase pays the
   draft's catch-up over the whole gap, so a settled choice should not pay it often).
@@ -121,10 +122,13 @@ class Controller:
         scores = {s: self.goodput(b, s, batch_size) for s in measured}
         best = max(scores, key=scores.get)
         current = self.current.get(b, best)
-        # leaving plain decoding costs a draft catch-up over the gap: ask twice the margin for it
-        margin = self.hysteresis * (2 if current == PLAIN else 1)
-        if current in scores and scores[best] < scores[current] * (1 + margin):
+        if current in scores and scores[best] < scores[current] * (1 + self.hysteresis):
             best = current
+        # plain decoding is the default a draft must beat clearly, to be entered (it pays a catch-up over
+        # the gap) and to be kept (its steps cannot overlap the host's work; near-ties lose to noise)
+        margin = self.hysteresis * (2 if current == PLAIN else 1)
+        if best != PLAIN and PLAIN in scores and scores[best] < scores[PLAIN] * (1 + margin):
+            best = PLAIN
         self.current[b] = best
         return self._maybe_probe(b, best)
 
