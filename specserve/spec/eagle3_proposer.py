@@ -134,14 +134,21 @@ class Eagle3Proposer(Proposer):
                 for b, s in enumerate(seqs)]
 
     @torch.inference_mode()
-    def flush(self, seqs: list[Sequence]) -> None:
+    def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
         bs, behind, ends = self.block_size, [], []
-        for seq in seqs:
+        for seq, cached in zip(seqs, cached_blocks):
             end = seq.num_computed_tokens // bs * bs - 1  # the pairs whose slots lie in complete blocks
             # a stop inside an accepted run (or a step that ran past the stop) computed KV for tokens
             # the request dropped: a pair needs its next token, so stop at the last one kept
             end = min(end, len(seq.token_ids) - 1)
-            if seq.draft_state is not None and end > seq.draft_state.computed:
+            state = seq.draft_state
+            if state is None:
+                continue
+            skip = min(cached * bs - 1, end) - state.computed  # pairs whose slots lie in cached blocks
+            if skip > 0:
+                state.computed += skip
+                state.pending = [torch.cat(state.pending)[skip:]]
+            if end > state.computed:
                 behind.append(seq)
                 ends.append(end)
         if behind:  # only the draft KV of these blocks is wanted: no attention, no outputs
