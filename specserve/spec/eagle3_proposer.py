@@ -169,15 +169,16 @@ class Eagle3Proposer(Proposer):
             logits, h = self.draft(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), meta, index)
             return logits, h[index]
         ids, positions, slots = (torch.tensor(x) for x in (pairs.ids, pairs.positions, pairs.slots))
-        before = torch.ones(len(pairs.ids), dtype=torch.bool)  # [pairs] all but each sequence's last
-        before[pairs.last] = False
+        mask = torch.ones(len(pairs.ids), dtype=torch.bool)
+        mask[pairs.last] = False
+        before = mask.nonzero().squeeze(1)  # [pairs - B] all but each sequence's last, indexed on the host
         self.draft.store_kv(self._ids(ids[before]), pairs.features[self._ids(before)],
                             self._ids(positions[before]), self._ids(slots[before]))
         last = torch.tensor(pairs.last)
         meta = self._metadata([1] * len(seqs), pairs.ends, seqs)
         return self.draft(self._ids(ids[last]), pairs.features[self._ids(last)], self._ids(positions[last]), meta)
 
-    def _take_pairs(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> "Pairs":
+    def _take_pairs(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> Pairs:
         """The pairs each sequence's draft has not seen, up to pair ends[i] - 1 (default: all committed
         ones), flattened in sequence order; marks them seen."""
         bs = self.block_size
