@@ -89,3 +89,14 @@ def test_a_near_tie_with_plain_goes_to_plain():
     cost = lambda s: 0.010 * (1 + 0.55 * s.k)  # noqa: E731
     assert settled(feed(c, 16, cost, accept=0.95)) != PLAIN
     assert settled(feed(c, 16, cost, accept=0.6, steps=1500, seed=1)) == PLAIN
+
+
+def test_a_slower_machine_does_not_make_unmeasured_drafts_look_cheap():
+    # drafts lose clearly at this batch (chain 1 costs 1.8x a plain step for 1.5 tokens); then every step
+    # gets 2.5x slower (load, larger batches in the bucket): the drafts' old times must not pass for
+    # current ones, or they would win against plain's new ones until probed again
+    c = Controller("adaptive", SHAPES)
+    cost = lambda s: 0.010 * (1 + 0.8 * s.k)  # noqa: E731
+    assert settled(feed(c, 64, cost, accept=0.5)) == PLAIN
+    slow = feed(c, 64, lambda s: 2.5 * cost(s), accept=0.5, steps=200, seed=1)
+    assert sum(s != PLAIN for s in slow) <= 2  # a probe at most
