@@ -12,12 +12,13 @@ Policies:
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
   bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
   and the one long catch-up that follows a plain phase); a draft's as its ratio to plain's at the
-  time, since drafts run rarely under load and the machine and the batch drift meanwhile. Unmeasured shapes are tried in order of
-  size until a larger one has clearly lost, a switch needs a clear gain (hysteresis), a draft is
-  chosen only while it clearly beats plain decoding (near-ties go to plain), and a
-  neighbouring shape is probed so a dropped one can come back: after `probe_every` steps, and twice
-  as long after each probe that changed nothing (a probe of k > 0 after a plain phase pays the
-  draft's catch-up over the whole gap, so a settled choice should not pay it often).
+  time, since drafts run rarely under load and the machine and the batch drift meanwhile.
+  Unmeasured shapes are tried in order of size until a larger one has clearly lost, a switch needs
+  a clear gain (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties
+  go to plain), and a neighbouring shape is probed so a dropped one can come back: after
+  `probe_every` steps, and twice as long after each probe that changed nothing (a probe of k > 0
+  after a plain phase pays the draft's catch-up over the whole gap, so a settled choice should not
+  pay it often).
 """
 from __future__ import annotations
 
