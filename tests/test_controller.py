@@ -80,3 +80,23 @@ def test_an_outlier_step_does_not_flip_the_choice():
     best = c.choose(1)
     c.record_step(1, best, 0.5)  # one step fifty times dearer (a long catch-up, a hiccup of the machine)
     assert c.choose(1) == best
+
+
+def test_a_near_tie_with_plain_goes_to_plain():
+    # chain 1 gains 3% over plain (1.6 tokens for 1.55x the time): under the margin, so plain, even when
+    # the chain was the choice while acceptance was high
+    c = Controller("adaptive", SHAPES[:2])
+    cost = lambda s: 0.010 * (1 + 0.55 * s.k)  # noqa: E731
+    assert settled(feed(c, 16, cost, accept=0.95)) != PLAIN
+    assert settled(feed(c, 16, cost, accept=0.6, steps=1500, seed=1)) == PLAIN
+
+
+def test_a_slower_machine_does_not_make_unmeasured_drafts_look_cheap():
+    # drafts lose clearly at this batch (chain 1 costs 1.8x a plain step for 1.5 tokens); then every step
+    # gets 2.5x slower (load, larger batches in the bucket): the drafts' old times must not pass for
+    # current ones, or they would win against plain's new ones until probed again
+    c = Controller("adaptive", SHAPES)
+    cost = lambda s: 0.010 * (1 + 0.8 * s.k)  # noqa: E731
+    assert settled(feed(c, 64, cost, accept=0.5)) == PLAIN
+    slow = feed(c, 64, lambda s: 2.5 * cost(s), accept=0.5, steps=200, seed=1)
+    assert sum(s != PLAIN for s in slow) <= 2  # a probe at most

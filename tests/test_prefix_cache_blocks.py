@@ -151,3 +151,23 @@ def test_full_host_pool_drops_oldest_and_its_descendants():
     assert run(bm, b2) == 4 and bm.stats.num_host_hits == 4  # b's first two blocks are on the host
     bm.free(b2)
     bm.check()
+
+
+def test_cached_blocks_counts_leading_content_held_on_the_device():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = seq("a", list(range(10)))
+    run(bm, a)
+    assert bm.num_cached_blocks(a) == 0  # nothing registered yet: its own blocks are not in the index
+    bm.free(a)
+    b = seq("b", [0, 1, 2, 3] + [70, 71, 72, 73, 74])  # block 0 hits; block 1 is new content
+    run(bm, b)
+    c = seq("c", [50] + list(range(1, 10)))  # block 0 differs
+    run(bm, c)
+    d = seq("d", list(range(9)))  # computed without a hit below: block 0 hits, block 1 is a's copy
+    d.block_table, d.num_computed_tokens = [], 0
+    bm.append(d, 9)
+    d.num_computed_tokens = 9
+    assert (bm.num_cached_blocks(b), bm.num_cached_blocks(c), bm.num_cached_blocks(d)) == (1, 0, 2)
+    for s in (b, c, d):
+        bm.free(s)
+    bm.check()

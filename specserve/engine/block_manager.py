@@ -144,6 +144,24 @@ class BlockManager:
         stats.num_host_loaded_blocks += len(on_host)
         self.append(seq, num_new_tokens)
 
+    def num_cached_blocks(self, seq: Sequence) -> int:
+        """How many of seq's leading complete blocks the cache already holds on the device (seq's own, or
+        another copy of the same content that registering seq would swap in): their per-block state
+        is final whatever seq's own copies hold."""
+        if not self.enabled:
+            return 0
+        state, bs = self._state(seq), self.block_size
+        complete = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        hashes = state.hashes_for(seq.token_ids, complete, bs, self.index.hash_fn)
+        parent = None
+        for i in range(complete):
+            node = state.nodes[i] if i < len(state.nodes) else self.index.lookup(
+                hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), parent)
+            if node is None or node.block is None:
+                return i
+            parent = node
+        return complete
+
     # ---- registration ---------------------------------------------------------------------------
     def _register(self, seq: Sequence) -> None:
         """Enter seq's complete blocks into the index, in order. A block whose content is cached already

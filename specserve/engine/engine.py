@@ -334,7 +334,7 @@ class LLMEngine:
     def _finish(self, finished: list[Sequence]) -> None:
         """Release finished requests (their complete blocks stay cached, draft state included)."""
         if finished and self.proposer is not None and self.blocks.enabled:
-            self.proposer.flush(finished)
+            self.proposer.flush(finished, [self.blocks.num_cached_blocks(seq) for seq in finished])
         for seq in finished:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)

@@ -11,11 +11,14 @@ Policies:
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
   bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
-  and the one long catch-up that follows a plain phase). Unmeasured shapes are tried in order of
-  size until a larger one has clearly lost, a switch needs a clear gain (hysteresis), and a
-  neighbouring shape is probed so a dropped one can come back: after `probe_every` steps, and twice
-  as long after each probe that changed nothing (a probe of k > 0 after a plain phase pays the
-  draft's catch-up over the whole gap, so a settled choice should not pay it often).
+  and the one long catch-up that follows a plain phase); a draft's as its ratio to plain's at the
+  time, since drafts run rarely under load and the machine and the batch drift meanwhile.
+  Unmeasured shapes are tried in order of size until a larger one has clearly lost, a switch needs
+  a clear gain (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties
+  go to plain), and the shape whose estimate is oldest is probed so a dropped one can come back: after
+  `probe_every` steps, and twice as long after each probe that changed nothing (a probe of k > 0
+  after a plain phase pays the draft's catch-up over the whole gap, so a settled choice should not
+  pay it often).
 """
 from __future__ import annotations
 
@@ -123,10 +126,13 @@ class Controller:
         scores = {s: self.goodput(b, s, batch_size) for s in measured}
         best = max(scores, key=scores.get)
         current = self.current.get(b, best)
-        # leaving plain decoding costs a draft catch-up over the gap: ask twice the margin for it
-        margin = self.hysteresis * (2 if current == PLAIN else 1)
-        if current in scores and scores[best] < scores[current] * (1 + margin):
+        if current in scores and scores[best] < scores[current] * (1 + self.hysteresis):
             best = current
+        # plain decoding is the default a draft must beat clearly, to be entered (it pays a catch-up over
+        # the gap) and to be kept (its steps cannot overlap the host's work; near-ties lose to noise)
+        margin = self.hysteresis * (2 if current == PLAIN else 1)
+        if best != PLAIN and PLAIN in scores and scores[best] < scores[PLAIN] * (1 + margin):
+            best = PLAIN
         self.current[b] = best
         return self._maybe_probe(b, best)
 
@@ -158,18 +164,30 @@ class Controller:
         return total
 
     def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
-        time = self.step_time[(b, shape)].median
-        return batch_size * self.expected_tokens(shape) / max(time, 1e-9)
+        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape), 1e-9)
+
+    def seconds(self, b: int, shape: Shape) -> float:
+        """A step of this shape in bucket b: plain's median, or a draft's median ratio to plain times it."""
+        plain = self.step_time[(b, PLAIN)].median
+        return plain if shape == PLAIN else plain * self.step_time[(b, shape)].median
 
     def _samples(self, b: int, shape: Shape) -> int:
         return len(self.step_time.get((b, shape), ()))
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
-        key = (bucket(batch_size), shape)
-        self.step_time.setdefault(key, Recent(self.window)).add(seconds)
+        """A decode step's wall time. A draft's is kept as its ratio to the latest plain steps of the
+        bucket, so that the machine's load and the batch sizes within a bucket, which move while a
+        draft goes unmeasured between probes, cancel; without plain steps yet it is dropped."""
+        b = bucket(batch_size)
+        if shape != PLAIN:
+            plain = self.step_time.get((b, PLAIN))
+            if not plain:
+                return
+            seconds /= plain.median
+        self.step_time.setdefault((b, shape), Recent(self.window)).add(seconds)
         self.records += 1
-        self.last_sample[key] = self.records
+        self.last_sample[(b, shape)] = self.records
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         if shape.topk > 1:

@@ -67,10 +67,23 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
+        q, k, v = self._rotated(x, positions)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(n, -1))
+
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the keys and values of x [n, 2H] at positions [n] into cache slots [n], attending to
+        nothing: what forward would store for them."""
+        _, k, v = self._rotated(x, positions)
+        self.attn.kv_cache[0, slots] = k
+        self.attn.kv_cache[1, slots] = v
+
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor):
+        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim], rotary applied to q and k."""
+        n = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k = self.rotary(positions, q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim))
-        out = self.attn(q, k, v.view(n, self.kv_heads, self.head_dim), meta)
-        return self.o_proj(out.reshape(n, -1))
+        return q, k, v.view(n, self.kv_heads, self.head_dim)
 
 
 class Eagle3MidLayer(nn.Module):
@@ -84,10 +97,15 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, embeds, hidden, positions, meta):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [n, 2H]
-        h = self.self_attn(x, positions, meta) + residual
+        h = self.self_attn(self._inputs(embeds, hidden), positions, meta) + hidden
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def store_kv(self, embeds, hidden, positions, slots) -> None:
+        """Only the KV cache writes of forward (slots [n]): no attention, no output."""
+        self.self_attn.store_kv(self._inputs(embeds, hidden), positions, slots)
+
+    def _inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [n, 2H]
 
 
 class Eagle3Draft(nn.Module):
@@ -113,6 +131,13 @@ class Eagle3Draft(nn.Module):
         h = self.midlayer(self.embed_tokens(ids), hidden, positions, meta)
         out = h if logit_rows is None else h[logit_rows]
         return self.lm_head(self.norm(out)), h
+
+    def store_kv(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """The draft KV of pairs (ids [n], target features [n, 3*Ht]) at positions [n], written into cache
+        slots [n] without attending: a pair's KV depends on nothing else, so pairs whose outputs nobody
+        reads (all but the last of a catch-up) need only this."""
+        self.midlayer.store_kv(self.embed_tokens(ids), self.fc(features), positions, slots)
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]

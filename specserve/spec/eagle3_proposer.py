@@ -30,6 +30,19 @@ from .tree import DraftTree, select_tree
 
 
 @dataclass
+class Pairs:
+    """Pairs (target features at position j, token j+1) of several sequences, flattened in order."""
+
+    ids: list[int]  # token j+1
+    positions: list[int]  # j
+    slots: list[int]  # the draft KV slot of pair j: position j+1's
+    q_lens: list[int]  # pairs per sequence
+    ends: list[int]  # per sequence: pairs seen once these are
+    last: list[int]  # per sequence: the flat index of its last pair
+    features: Optional[torch.Tensor]  # [len(ids), aux_dim]
+
+
+@dataclass
 class DraftState:
     computed: int = 0  # pairs whose draft KV is in the cache
     pending: list[torch.Tensor] = field(default_factory=list)  # target features of the positions after
@@ -86,7 +99,7 @@ class Eagle3Proposer(Proposer):
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
-        logits, hidden = self._catch_up(seqs)  # [B, draft_vocab], [B, H]
+        logits, hidden = self._catch_up(seqs, shape.steps)  # [B, draft_vocab], [B, H]
         k, batch = shape.topk, len(seqs)
         base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
         logp = logits.float().log_softmax(-1)
@@ -121,43 +134,71 @@ class Eagle3Proposer(Proposer):
                 for b, s in enumerate(seqs)]
 
     @torch.inference_mode()
-    def flush(self, seqs: list[Sequence]) -> None:
+    def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
         bs, behind, ends = self.block_size, [], []
-        for seq in seqs:
+        for seq, cached in zip(seqs, cached_blocks):
             end = seq.num_computed_tokens // bs * bs - 1  # the pairs whose slots lie in complete blocks
             # a stop inside an accepted run (or a step that ran past the stop) computed KV for tokens
             # the request dropped: a pair needs its next token, so stop at the last one kept
             end = min(end, len(seq.token_ids) - 1)
-            if seq.draft_state is not None and end > seq.draft_state.computed:
+            state = seq.draft_state
+            if state is None:
+                continue
+            skip = min(cached * bs - 1, end) - state.computed  # pairs whose slots lie in cached blocks
+            if skip > 0:
+                state.computed += skip
+                state.pending = [torch.cat(state.pending)[skip:]]
+            if end > state.computed:
                 behind.append(seq)
                 ends.append(end)
-        if behind:
-            last = self.last_catch_up  # the controller reads the latest propose's
-            self._catch_up(behind, ends)
-            self.last_catch_up = last
+        if behind:  # only the draft KV of these blocks is wanted: no attention, no outputs
+            pairs = self._take_pairs(behind, ends)
+            self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions),
+                                self._ids(pairs.slots))
 
-    def _catch_up(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the draft over every committed pair it has not seen (only up to pair ends[i] - 1 when
-        given); return the last pair's logits and hidden state per sequence."""
-        ids, hidden, positions, q_lens, seq_lens, last = [], [], [], [], [], []
+    def _catch_up(self, seqs: list[Sequence], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft over every committed pair it has not seen; return the last pair's logits and
+        hidden state per sequence ([B, draft_vocab], [B, H]). A catch-up longer than a verify of
+        `steps` drafts could leave (after plain decoding) only stores the KV of the pairs before each
+        sequence's last, which no one reads the outputs of, and runs the layer on the last pairs alone."""
+        pairs = self._take_pairs(seqs)
+        self.last_catch_up = len(pairs.ids)
+        if max(pairs.q_lens) <= steps + 1:  # steady state: one forward, logits of the last pairs only
+            meta = self._metadata(pairs.q_lens, pairs.ends, seqs)
+            index = self._ids(pairs.last)
+            logits, h = self.draft(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), meta, index)
+            return logits, h[index]
+        ids, positions, slots = (torch.tensor(x) for x in (pairs.ids, pairs.positions, pairs.slots))
+        mask = torch.ones(len(pairs.ids), dtype=torch.bool)
+        mask[pairs.last] = False
+        before = mask.nonzero().squeeze(1)  # [pairs - B] all but each sequence's last, indexed on the host
+        self.draft.store_kv(self._ids(ids[before]), pairs.features[self._ids(before)],
+                            self._ids(positions[before]), self._ids(slots[before]))
+        last = torch.tensor(pairs.last)
+        meta = self._metadata([1] * len(seqs), pairs.ends, seqs)
+        return self.draft(self._ids(ids[last]), pairs.features[self._ids(last)], self._ids(positions[last]), meta)
+
+    def _take_pairs(self, seqs: list[Sequence], ends: Optional[list[int]] = None) -> Pairs:
+        """The pairs each sequence's draft has not seen, up to pair ends[i] - 1 (default: all committed
+        ones), flattened in sequence order; marks them seen."""
+        bs = self.block_size
+        pairs, feats = Pairs([], [], [], [], [], [], None), []
         for i, seq in enumerate(seqs):
             state = seq.draft_state
             start, end = state.computed, ends[i] if ends else seq.num_computed_tokens
-            feats = torch.cat(state.pending)
-            assert feats.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {feats.shape[0]} features"
-            ids.extend(seq.token_ids[start + 1:end + 1])
-            positions.extend(range(start, end))
-            hidden.append(feats[:end - start])
-            q_lens.append(end - start)
-            seq_lens.append(end)
-            last.append(sum(q_lens) - 1)
-            state.computed, state.pending = end, [feats[end - start:]] if end < seq.num_computed_tokens else []
-        self.last_catch_up = sum(q_lens)
-        meta = self._metadata(q_lens, seq_lens, seqs)
-        index = self._ids(last)
-        # the draft's KV of every pair is what a catch-up is for; logits only of each sequence's last
-        logits, h = self.draft(self._ids(ids), torch.cat(hidden), self._ids(positions), meta, index)
-        return logits, h[index]
+            pending = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]  # [n, aux_dim]
+            assert pending.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {pending.shape[0]} features"
+            table = seq.block_table
+            pairs.ids.extend(seq.token_ids[start + 1:end + 1])
+            pairs.positions.extend(range(start, end))
+            pairs.slots.extend(table[p // bs] * bs + p % bs for p in range(start + 1, end + 1))  # one slot late
+            feats.append(pending[:end - start])
+            pairs.q_lens.append(end - start)
+            pairs.ends.append(end)
+            pairs.last.append(len(pairs.ids) - 1)
+            state.computed, state.pending = end, [pending[end - start:]] if end < seq.num_computed_tokens else []
+        pairs.features = torch.cat(feats) if len(feats) > 1 else feats[0]
+        return pairs
 
     def _expand(self, seqs, base, depth, tokens, h_in, ancestors):
         """Run the draft on the K nodes being expanded at this depth (scratch slots past the prefix)."""

@@ -43,9 +43,10 @@ class Proposer(ABC):
         per-block tensors), so that blocks within them may be shared with later requests."""
         return seq.num_computed_tokens
 
-    def flush(self, seqs: list[Sequence]) -> None:
+    def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
         """These requests are about to release their blocks: bring the draft-side state of their complete
-        blocks up to date (what plain-decoding steps skipped), so the prefix cache can keep them."""
+        blocks up to date (what plain-decoding steps skipped), so the prefix cache can keep them; the
+        first cached_blocks[i] blocks of seqs[i] the cache holds already (their content is cached)."""
 
     def cache_planes(self) -> list[torch.Tensor]:
         """The proposer's tensors indexed by block id, viewed block-first ([num_blocks, ...]): what a
