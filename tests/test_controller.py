@@ -100,3 +100,22 @@ def test_a_slower_machine_does_not_make_unmeasured_drafts_look_cheap():
     assert settled(feed(c, 64, cost, accept=0.5)) == PLAIN
     slow = feed(c, 64, lambda s: 2.5 * cost(s), accept=0.5, steps=200, seed=1)
     assert sum(s != PLAIN for s in slow) <= 2  # a probe at most
+
+
+def test_a_batch_that_lost_at_a_smaller_size_is_not_explored_again():
+    """Speculation that clearly lost at batch 2 (each draft token costs a full step) is not tried anew when
+    the batch grows to 16 and 64: the smaller batch's cost ratio, a hopeful guess, already loses."""
+    c = Controller("adaptive", SHAPES)
+    feed(c, 2, cost=lambda s: 0.001 * (1 + s.k), accept=0.3, steps=50)
+    for batch in (16, 64):
+        chosen = feed(c, batch, cost=lambda s: 0.004 * (1 + s.k), accept=0.3, steps=40)
+        assert all(s == PLAIN for s in chosen), (batch, chosen)
+
+
+def test_a_batch_where_speculation_won_smaller_still_explores():
+    """The guess only skips shapes that would lose; where the smaller batch's ratio says a draft wins,
+    the larger batch measures it."""
+    c = Controller("adaptive", SHAPES)
+    feed(c, 2, cost=lambda s: 0.001 * (1 + 0.05 * s.k), accept=0.9, steps=50)
+    chosen = feed(c, 16, cost=lambda s: 0.004 * (1 + 0.05 * s.k), accept=0.9, steps=40)
+    assert any(s != PLAIN for s in chosen[:10])

@@ -13,7 +13,8 @@ Policies:
   bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
   and the one long catch-up that follows a plain phase); a draft's as its ratio to plain's at the
   time, since drafts run rarely under load and the machine and the batch drift meanwhile.
-  Unmeasured shapes are tried in order of size until a larger one has clearly lost, a switch needs
+  Unmeasured shapes are tried in order of size until a larger one has clearly lost (or, guessed from
+  the cost ratio measured at a smaller batch, would clearly lose), a switch needs
   a clear gain (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties
   go to plain), and the shape whose estimate is oldest is probed so a dropped one can come back: after
   `probe_every` steps, and twice as long after each probe that changed nothing (a probe of k > 0
@@ -25,6 +26,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -118,9 +120,11 @@ class Controller:
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
             if self._samples(b, shape) < self.min_samples:
-                if measured and self.goodput(b, measured[-1], batch_size) * (1 + 2 * self.hysteresis) < max(
-                        self.goodput(b, m, batch_size) for m in measured):
-                    break
+                if measured:  # this shape's guess (a smaller batch's cost ratio), else the last measured one
+                    guess = self._guess(b, shape, batch_size)
+                    hope = guess if guess is not None else self.goodput(b, measured[-1], batch_size)
+                    if hope * (1 + 2 * self.hysteresis) < max(self.goodput(b, m, batch_size) for m in measured):
+                        break
                 return shape
             measured.append(shape)
         scores = {s: self.goodput(b, s, batch_size) for s in measured}
@@ -170,6 +174,18 @@ class Controller:
         """A step of this shape in bucket b: plain's median, or a draft's median ratio to plain times it."""
         plain = self.step_time[(b, PLAIN)].median
         return plain if shape == PLAIN else plain * self.step_time[(b, shape)].median
+
+    def _guess(self, b: int, shape: Shape, batch_size: int) -> Optional[float]:
+        """Goodput of a draft shape unmeasured in bucket b, from its cost ratio to plain in the nearest
+        smaller bucket that measured it: a hopeful guess, since a verify's relative cost grows with the
+        batch. None when there is no such bucket or plain is unmeasured here."""
+        if shape == PLAIN or self._samples(b, PLAIN) < self.min_samples:
+            return None
+        smaller = [c for (c, s), t in self.step_time.items() if s == shape and c < b and len(t) >= self.min_samples]
+        if not smaller:
+            return None
+        ratio = self.step_time[(max(smaller), shape)].median
+        return batch_size * self.expected_tokens(shape) / max(self.step_time[(b, PLAIN)].median * ratio, 1e-9)
 
     def _samples(self, b: int, shape: Shape) -> int:
         return len(self.step_time.get((b, shape), ()))
