@@ -259,9 +259,11 @@ class LLMEngine:
             logits = self._sampling_logits(out, sampling)
             tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
+        committed = []
         for i, item in enumerate(batch):
             self._count_prompt(item)
-            self._commit(item.seq, range(item.num_tokens), out, i)
+            committed.append(self._commit(item.seq, range(item.num_tokens), out, i))
+        self._observe(out, committed)
         for row, seq in enumerate(seqs):
             seq.num_pending += 1
             seq.pending_row = row
@@ -306,14 +308,14 @@ class LLMEngine:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
         sampled = dict(zip(plain, self.runner.sample(self._sampling_logits(out, plain),
                                                      [batch[i].seq for i in plain]))) if plain else {}
-        outputs, finished = [], []
+        outputs, finished, committed = [], [], []
         for i, item in enumerate(batch):
             seq = item.seq
             self._count_prompt(item)
             if item.draft is not None:
-                tokens, logprobs = self._accept(item, out, i)
+                tokens, logprobs = self._accept(item, out, i, committed)
             else:
-                self._commit(seq, range(item.num_tokens), out, i)
+                committed.append(self._commit(seq, range(item.num_tokens), out, i))
                 if i not in sampled:
                     continue
                 token, logprob = sampled[i]
@@ -324,6 +326,7 @@ class LLMEngine:
                 finished.append(seq)
             elif item.draft is not None:
                 self.blocks.truncate(seq, seq.num_tokens)
+        self._observe(out, committed)
         self._finish(finished)
         return outputs
 
@@ -339,23 +342,28 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
 
-    def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> None:
-        """The KV of these of the item's tokens is now part of seq; tell the proposer."""
+    def _commit(self, seq: Sequence, nodes, out: ForwardOutput, i: int) -> tuple[Sequence, Union[range, list[int]]]:
+        """The KV of these of the item's tokens is now part of seq; returns (seq, the rows of the step's
+        tokens committed), for `_observe`."""
         seq.num_computed_tokens += len(nodes)
-        if self.proposer is not None:
-            first = out.token_offsets[i]
-            contiguous = list(nodes) == list(range(len(nodes)))
-            rows = out.aux[first:first + len(nodes)] if contiguous else out.aux[[first + n for n in nodes]]
-            self.proposer.observe(seq, rows)
+        first = out.token_offsets[i]
+        if isinstance(nodes, range) and nodes.start == 0 or list(nodes) == list(range(len(nodes))):
+            return seq, range(first, first + len(nodes))
+        return seq, [first + n for n in nodes]
 
-    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int):
+    def _observe(self, out: ForwardOutput, committed: list) -> None:
+        """Tell the proposer, once per step, which auxiliary rows each sequence committed."""
+        if self.proposer is not None and committed:
+            self.proposer.observe(out.aux, committed)
+
+    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int, committed: list):
         seq, tree = item.seq, item.draft
         logits = out.logits[out.rows[i].start:out.rows[i].stop]  # [N, vocab]
         verdict = verify(tree, logits, seq.params, seq.generator)
         n = seq.num_computed_tokens
         if verdict.path != list(range(len(verdict.path))):  # a tree branch: move its KV into place
             self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])
-        self._commit(seq, verdict.path, out, i)
+        committed.append(self._commit(seq, verdict.path, out, i))
         self.stats.spec.record(tree.num_drafts, verdict.num_accepted)
         self.controller.record_verify(self.shape, verdict.num_accepted)
         tokens = verdict.tokens

@@ -14,7 +14,7 @@ per block), so a request that starts on h cached blocks starts with h*block_size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -45,7 +45,8 @@ class Pairs:
 @dataclass
 class DraftState:
     computed: int = 0  # pairs whose draft KV is in the cache
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features of the positions after
+    # target features of the positions after `computed`, unsliced: (a step's aux [tokens, aux_dim], rows)
+    pending: list[tuple[torch.Tensor, Union[range, list[int]]]] = field(default_factory=list)
 
 
 class Eagle3Proposer(Proposer):
@@ -74,19 +75,28 @@ class Eagle3Proposer(Proposer):
     def num_slots(self, shape: Shape) -> int:
         return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
 
-    def observe(self, seq: Sequence, features: torch.Tensor) -> None:
-        bs, end = self.block_size, seq.num_computed_tokens
-        start = end - features.shape[0]
-        if seq.draft_state is None:
-            seq.draft_state = DraftState()
-            if start > 0:  # started on cached blocks: their pairs are cached but the last, which needs this row
-                seq.draft_state.computed = start - 1
-                seq.draft_state.pending.append(self.block_features[seq.block_table[start // bs - 1]].unsqueeze(0))
-        seq.draft_state.pending.append(features)
-        last = range(bs - 1 - start % bs, end - start, bs)  # rows at the last position of a block
-        if len(last):
-            blocks = [seq.block_table[(start + i) // bs] for i in last]
-            self.block_features[self._ids(blocks)] = features[self._ids(list(last))]
+    def observe(self, aux: torch.Tensor, committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+        bs, blocks, rows = self.block_size, [], []
+        for seq, idx in committed:
+            end = seq.num_computed_tokens
+            start = end - len(idx)
+            if seq.draft_state is None:
+                seq.draft_state = DraftState()
+                if start > 0:  # started on cached blocks: their pairs are cached but the last, which needs this row
+                    seq.draft_state.computed = start - 1
+                    block = seq.block_table[start // bs - 1]
+                    seq.draft_state.pending.append((self.block_features, range(block, block + 1)))
+            seq.draft_state.pending.append((aux, idx))
+            for i in range(bs - 1 - start % bs, end - start, bs):  # rows at the last position of a block
+                blocks.append(seq.block_table[(start + i) // bs])
+                rows.append(idx[i])
+        if blocks:  # one copy per step for every sequence
+            self.block_features[self._ids(blocks)] = aux[self._ids(rows)]
+
+    def _features(self, state: DraftState) -> torch.Tensor:
+        """[pending pairs, aux_dim]: the pending features, gathered."""
+        parts = [t[r.start:r.stop] if isinstance(r, range) else t[self._ids(r)] for t, r in state.pending]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def cached_tokens(self, seq: Sequence) -> int:
         return seq.draft_state.computed + 1 if seq.draft_state is not None else 0
@@ -147,7 +157,8 @@ class Eagle3Proposer(Proposer):
             skip = min(cached * bs - 1, end) - state.computed  # pairs whose slots lie in cached blocks
             if skip > 0:
                 state.computed += skip
-                state.pending = [torch.cat(state.pending)[skip:]]
+                feats = self._features(state)
+                state.pending = [(feats, range(skip, feats.shape[0]))]
             if end > state.computed:
                 behind.append(seq)
                 ends.append(end)
@@ -186,7 +197,7 @@ class Eagle3Proposer(Proposer):
         for i, seq in enumerate(seqs):
             state = seq.draft_state
             start, end = state.computed, ends[i] if ends else seq.num_computed_tokens
-            pending = torch.cat(state.pending) if len(state.pending) > 1 else state.pending[0]  # [n, aux_dim]
+            pending = self._features(state)  # [n, aux_dim]
             assert pending.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {pending.shape[0]} features"
             table = seq.block_table
             pairs.ids.extend(seq.token_ids[start + 1:end + 1])
@@ -196,7 +207,8 @@ class Eagle3Proposer(Proposer):
             pairs.q_lens.append(end - start)
             pairs.ends.append(end)
             pairs.last.append(len(pairs.ids) - 1)
-            state.computed, state.pending = end, [pending[end - start:]] if end < seq.num_computed_tokens else []
+            state.computed = end
+            state.pending = [(pending, range(end - start, pending.shape[0]))] if end < seq.num_computed_tokens else []
         pairs.features = torch.cat(feats) if len(feats) > 1 else feats[0]
         return pairs
 

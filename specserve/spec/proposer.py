@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Union
 
 import torch
 
@@ -31,9 +32,10 @@ class Proposer(ABC):
         """One draft tree of exactly shape.num_nodes nodes per sequence (each has one uncomputed token)."""
 
     @abstractmethod
-    def observe(self, seq: Sequence, features: torch.Tensor) -> None:
-        """The target committed the KV of seq's next positions; features [n, aux_dim] are their
-        auxiliary hidden states, in position order (empty aux_dim when aux_layers is empty). The first
+    def observe(self, aux: torch.Tensor, committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+        """The target committed the KV of these sequences' next positions, once per step: aux
+        [num_tokens, aux_dim] holds the step's auxiliary hidden states (empty aux_dim when aux_layers is
+        empty) and, per sequence, the rows of its committed positions in position order. The first
         observe of a request that started on cached blocks comes with num_computed_tokens past them:
         the proposer's state for those blocks comes from the cache."""
 
