@@ -42,10 +42,10 @@ class Pinned:
     """A fixed acceptance rate in place of the controller's live window (see --acceptance)."""
 
     def __init__(self, rate: float):
-        self.rate = self.mean = rate
+        self.mean = rate
 
     def __len__(self) -> int:
-        return 1
+        return 1 << 30  # as if measured without end: the controller's prior has no weight
 
     def add(self, x: float) -> None:
         pass

@@ -55,8 +55,7 @@ def bucket(batch_size: int) -> int:
 
 
 class Recent:
-    """The latest `size` observations, read as their median, their mean, or a rate of successes with
-    one pseudo-success and one pseudo-failure (so a few trials cannot pin it at 0 or 1)."""
+    """The latest `size` observations, read as their median or their mean."""
 
     def __init__(self, size: int):
         self.values: deque[float] = deque(maxlen=size)
@@ -75,14 +74,11 @@ class Recent:
     def mean(self) -> float:
         return sum(self.values) / len(self.values)
 
-    @property
-    def rate(self) -> float:
-        return (sum(self.values) + 1) / (len(self.values) + 2)
-
 
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
                  probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 2, window: int = 9,
+                 prior_samples: int = 16,
                  max_probe_every: int = 4096):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
@@ -95,6 +91,7 @@ class Controller:
         self.min_samples = min_samples
         self.window = window
         self.max_probe_every = max_probe_every
+        self.prior_samples = prior_samples
         self.step_time: dict[tuple[int, Shape], Recent] = {}
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
         self.position_accept = [Recent(acceptance_window) for _ in range(max(s.steps for s in shapes))]
@@ -162,10 +159,23 @@ class Controller:
         if shape.topk > 1:
             return self.tree_tokens.mean if len(self.tree_tokens) else 1.0
         total, reach = 1.0, 1.0
-        for i in range(shape.steps):
-            reach *= self.position_accept[i].rate if len(self.position_accept[i]) else 0.5
+        for rate in self.position_rates()[:shape.steps]:
+            reach *= rate
             total += reach
         return total
+
+    def position_rates(self) -> list[float]:
+        """Per draft position, the rate it is accepted given the ones before it were. A position's few
+        samples are pulled toward the position before it by `prior_samples` pseudo-samples: deep
+        positions are only sampled while a long draft runs, so a handful of early (or warm-up) verifies
+        would otherwise hold a long draft off for good (acceptance varies little between positions)."""
+        rates, prior = [], 0.5
+        for window in self.position_accept:
+            n = len(window)
+            rate = (window.mean * n + prior * self.prior_samples) / (n + self.prior_samples) if n else prior
+            rates.append(rate)
+            prior = rate
+        return rates
 
     def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
         return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape), 1e-9)
