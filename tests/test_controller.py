@@ -119,3 +119,15 @@ def test_a_batch_where_speculation_won_smaller_still_explores():
     feed(c, 2, cost=lambda s: 0.001 * (1 + 0.05 * s.k), accept=0.9, steps=50)
     chosen = feed(c, 16, cost=lambda s: 0.004 * (1 + 0.05 * s.k), accept=0.9, steps=40)
     assert any(s != PLAIN for s in chosen[:10])
+
+
+def test_a_few_early_rejections_deep_in_the_draft_do_not_hold_long_drafts_off():
+    """Warm-up verifies rejected position 1 five times in a row; later drafts are accepted 80% of the
+    time at every position and a draft token costs a fifth of a step. Position 1 is sampled only while drafts of 2+
+    run, so a raw rate would keep the controller at k = 1 for good; pulled toward position 0's rate,
+    the longer drafts get tried and win."""
+    c = Controller("adaptive", SHAPES)
+    for _ in range(5):
+        c.record_verify(SHAPES[2], 1)  # position 0 accepted, position 1 rejected
+    chosen = feed(c, 1, cost=lambda s: 0.010 * (1 + 0.2 * s.k), accept=0.8, steps=600)
+    assert settled(chosen) == SHAPES[-1], settled(chosen)
