@@ -28,6 +28,8 @@ from specserve import LLM, SamplingParams
 from specserve.engine.distributed import Ranks
 from specserve.layers.parallel import TensorParallel
 
+from prefix_cache import timed  # benchmarks/ is on sys.path when run as a script
+
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import os\nimport sys\n\n\ndef main(argv):\n", "    def __repr__(self):\n"]
 CONFIGURATIONS = {
@@ -35,7 +37,7 @@ CONFIGURATIONS = {
     "chain": dict(speculative_policy="always"),
     "adaptive": dict(speculative_policy="adaptive"),
 }
-host_waited = [0.0]
+waited_s: dict[str, float] = {}  # per timed call name: rank 0's wall time inside it
 
 
 class Pinned:
@@ -49,19 +51,6 @@ class Pinned:
 
     def add(self, x: float) -> None:
         pass
-
-
-def timed(cls, name: str) -> None:
-    real = getattr(cls, name)
-
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            host_waited[0] += time.perf_counter() - t0
-
-    setattr(cls, name, wrapper)
 
 
 def prompts(batch: int, args, vocab: int, gen: torch.Generator) -> list:
@@ -88,12 +77,12 @@ def decode_steps(engine, batch: int, args, gen) -> dict:
     seconds, tokens, steps, ks, waited = 0.0, 0, 0, Counter(), 0.0
     while engine.has_unfinished():
         decoding = all_decoding(engine, batch)
-        before, host_before, t = stats.num_generation_tokens, host_waited[0], time.perf_counter()
+        before, host_before, t = stats.num_generation_tokens, sum(waited_s.values()), time.perf_counter()
         engine.step()
         if decoding and len(engine.scheduler.running) == batch:
             seconds += time.perf_counter() - t
             tokens += stats.num_generation_tokens - before
-            waited += host_waited[0] - host_before
+            waited += sum(waited_s.values()) - host_before
             steps += 1
             ks[stats.spec.last_k if engine.controller is not None else 0] += 1
     return dict(seconds=seconds, tokens=tokens, steps=steps, ks=ks, host_waited=waited)
@@ -183,7 +172,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     for cls, name in ((TensorParallel, "all_reduce"), (TensorParallel, "all_gather"), (Ranks, "send")):
-        timed(cls, name)
+        timed(cls, name, waited_s)
     print("| batch | configuration | ranks | ms / step | output tok/s | step in collectives | mean k | k chosen "
           "(steps) |")
     print("|---|---|---|---|---|---|---|---|")

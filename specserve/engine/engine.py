@@ -347,7 +347,7 @@ class LLMEngine:
         tokens committed), for `_observe`."""
         seq.num_computed_tokens += len(nodes)
         first = out.token_offsets[i]
-        if isinstance(nodes, range) and nodes.start == 0 or list(nodes) == list(range(len(nodes))):
+        if (isinstance(nodes, range) and nodes.start == 0) or list(nodes) == list(range(len(nodes))):
             return seq, range(first, first + len(nodes))
         return seq, [first + n for n in nodes]
 

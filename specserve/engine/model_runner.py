@@ -123,9 +123,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not ex.enforce_eager and ex.attention_backend == "triton":
             self._everywhere("capture", aux_layers, tokens_per_seq)
 
+    def _own_aux(self, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
+        """The auxiliary layers this rank outputs: all on rank 0 (the draft is rank 0's), none elsewhere."""
+        return aux_layers if not self.ranks or self.ranks.rank == 0 else ()
+
     def capture(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
         ex = self.config.execution
-        aux_layers = aux_layers if not self.ranks or self.ranks.rank == 0 else ()  # the draft is rank 0's
+        aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
                                   aux_layers, self.group, self.scratch_slot, self.device)
@@ -212,7 +216,7 @@ class ModelRunner:
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device, trees,
                               self.backend, self.group)
-        aux_layers = aux_layers if not self.ranks or self.ranks.rank == 0 else ()  # the draft is rank 0's
+        aux_layers = self._own_aux(aux_layers)
         hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta,
                                  aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
