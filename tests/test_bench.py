@@ -152,8 +152,9 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
     from .eagle_utils import make_eagle3_checkpoint
 
     draft = make_eagle3_checkpoint(str(tmp_path / "draft"), model)
+    # policy always: a random draft accepts nothing, so the adaptive controller may rightly never speculate
     spec_flags = f"{KV} --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} " \
-                 "--speculative-num-steps 2"
+                 "--speculative-num-steps 2 --speculative-policy always"
     out, md, png = tmp_path / "compare.json", tmp_path / "compare.md", tmp_path / "compare.png"
     rc = main(["compare", "--config", f"plain={KV}", "--config", f"spec={spec_flags}",
                "--config", "bad=--no-such-flag",
