@@ -40,19 +40,6 @@ CONFIGURATIONS = {
 waited_s: dict[str, float] = {}  # per timed call name: rank 0's wall time inside it
 
 
-class Pinned:
-    """A fixed acceptance rate in place of the controller's live window (see --acceptance)."""
-
-    def __init__(self, rate: float):
-        self.mean = rate
-
-    def __len__(self) -> int:
-        return 1 << 30  # as if measured without end: the controller's prior has no weight
-
-    def add(self, x: float) -> None:
-        pass
-
-
 def prompts(batch: int, args, vocab: int, gen: torch.Generator) -> list:
     if args.load_format == "dummy":
         return [torch.randint(10, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(batch)]
@@ -122,8 +109,7 @@ def measure(tp: int, name: str, args) -> dict:
     try:
         if engine.controller is not None and args.acceptance:
             rates = [float(x) for x in args.acceptance.split(",")]
-            engine.controller.position_accept = [Pinned(rates[min(i, len(rates) - 1)])
-                                                 for i in range(len(engine.controller.position_accept))]
+            engine.controller.pin_acceptance(rates)
         gen = torch.Generator().manual_seed(0)
         warm = dict(vars(args), max_tokens=8)
         for batch in args.batches:

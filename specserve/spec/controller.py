@@ -75,6 +75,19 @@ class Recent:
         return sum(self.values) / len(self.values)
 
 
+class Pinned:
+    """A fixed acceptance rate in place of a live window (Controller.pin_acceptance)."""
+
+    def __init__(self, rate: float):
+        self.mean = rate
+
+    def __len__(self) -> int:
+        return 1 << 30  # as if measured without end: the prior has no weight
+
+    def add(self, x: float) -> None:
+        pass
+
+
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
                  probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 2, window: int = 9,
@@ -199,6 +212,11 @@ class Controller:
 
     def _samples(self, b: int, shape: Shape) -> int:
         return len(self.step_time.get((b, shape), ()))
+
+    def pin_acceptance(self, rates: list[float]) -> None:
+        """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:
+        for benchmarks of random weights, which accept nothing, and for tests of the step-time side alone."""
+        self.position_accept = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(len(self.position_accept))]
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
