@@ -26,6 +26,11 @@ def feed(c: Controller, batch: int, cost, accept: float, steps: int = 400, noise
     return chosen
 
 
+def draft_runs(chosen: list[Shape]) -> int:
+    """How many times the controller left plain decoding (a probe is one run of `probe_steps` steps)."""
+    return sum(s != PLAIN and (i == 0 or chosen[i - 1] == PLAIN) for i, s in enumerate(chosen))
+
+
 def settled(chosen: list[Shape]) -> Shape:
     tail = chosen[-100:]
     return max(set(tail), key=tail.count)
@@ -69,7 +74,7 @@ def test_threshold_and_always():
 def test_probes_back_off_while_the_choice_holds():
     c = Controller("adaptive", SHAPES)
     chosen = feed(c, 64, cost=lambda s: 0.010 * (1 + s.k), accept=0.2, steps=4000)
-    probes = sum(s != PLAIN for s in chosen[500:])
+    probes = draft_runs(chosen[500:])
     assert settled(chosen) == PLAIN
     assert probes <= 6, f"{probes} probes in 3500 settled steps: each pays a draft catch-up"
 
@@ -99,7 +104,7 @@ def test_a_slower_machine_does_not_make_unmeasured_drafts_look_cheap():
     cost = lambda s: 0.010 * (1 + 0.8 * s.k)  # noqa: E731
     assert settled(feed(c, 64, cost, accept=0.5)) == PLAIN
     slow = feed(c, 64, lambda s: 2.5 * cost(s), accept=0.5, steps=200, seed=1)
-    assert sum(s != PLAIN for s in slow) <= 2  # a probe at most
+    assert draft_runs(slow) <= 1 and sum(s != PLAIN for s in slow) <= c.probe_steps  # a probe at most
 
 
 def test_a_batch_that_lost_at_a_smaller_size_is_not_explored_again():
@@ -131,3 +136,29 @@ def test_a_few_early_rejections_deep_in_the_draft_do_not_hold_long_drafts_off():
         c.record_verify(SHAPES[2], 1)  # position 0 accepted, position 1 rejected
     chosen = feed(c, 1, cost=lambda s: 0.010 * (1 + 0.2 * s.k), accept=0.8, steps=600)
     assert settled(chosen) == SHAPES[-1], settled(chosen)
+
+
+def test_one_probe_replaces_a_stale_estimate():
+    """Chain 3 runs for long (a full window of its times), then for a while costs 5x a plain step and
+    loses; when it is cheap again, the next probe's steps replace its stale times and it comes back,
+    rather than after the several probes (each twice as far apart) a median of stale times would need."""
+    c = Controller("adaptive", SHAPES)
+    cheap = lambda s: 0.010 * (1 + 0.3 * s.k)  # noqa: E731
+    assert settled(feed(c, 8, cheap, accept=0.9)) == SHAPES[-1]
+    assert settled(feed(c, 8, lambda s: 0.010 * (1 + 1.4 * s.k), accept=0.9, steps=150, seed=1)) == PLAIN
+    back = feed(c, 8, cheap, accept=0.9, steps=300, seed=2)
+    assert settled(back) == SHAPES[-1], back
+
+
+def test_plain_is_priced_at_the_batch_size_within_a_bucket():
+    """A bucket spans batch sizes 65..128, and on a CPU a step's time grows with the batch (here 1 ms per
+    request; a chain of k costs 1 + 0.62 k plain steps, so each gains ~1.2x). Plain steps seen while the
+    batch grew through 66..98 are read as a line, so drafts measured at batch 120 are compared with plain
+    at 120, not with plain's median over the bucket (0.08 s, which would make drafts look 1.5x dearer
+    than they are, and lose)."""
+    c = Controller("adaptive", SHAPES)
+    for n in range(66, 99, 4):
+        c.choose(n)
+        c.record_step(n, PLAIN, 0.001 * n)
+    assert abs(c.plain_time[128].at(120) - 0.120) < 1e-9
+    assert settled(feed(c, 120, lambda s: 0.120 * (1 + 0.62 * s.k), accept=0.9)) != PLAIN

@@ -10,16 +10,18 @@ Policies:
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
-  bucket, shape) from live steps, as the median of the latest `window` (a median shrugs off noise
-  and the one long catch-up that follows a plain phase); a draft's as its ratio to plain's at the
-  time, since drafts run rarely under load and the machine and the batch drift meanwhile.
+  bucket, shape) from live steps: plain's as a robust line in the batch size (`PlainTimes`), a draft's
+  as the median of its latest `window` ratios to plain's at the time and batch size (drafts run rarely
+  under load, and the machine and the batch drift meanwhile; a median shrugs off noise and the one
+  long catch-up that follows a plain phase).
   Unmeasured shapes are tried in order of size until a larger one has clearly lost (or, guessed from
-  the cost ratio measured at a smaller batch, would clearly lose), a switch needs
-  a clear gain (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties
-  go to plain), and the shape whose estimate is oldest is probed so a dropped one can come back: after
-  `probe_every` steps, and twice as long after each probe that changed nothing (a probe of k > 0
-  after a plain phase pays the draft's catch-up over the whole gap, so a settled choice should not
-  pay it often).
+  the cost ratio measured at a smaller batch, would clearly lose), a switch needs a clear gain
+  (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties go to plain),
+  and the shape whose estimate is oldest is probed so a dropped one can come back: `probe_steps` steps
+  whose times replace its estimate (one step would barely move a median of stale ones, and their
+  median drops the first one's catch-up), after `probe_every` steps, and twice as long after each
+  probe that changed nothing (a probe of k > 0 after a plain phase pays the draft's catch-up over the
+  whole gap, so a settled choice should not pay it often).
 """
 from __future__ import annotations
 
@@ -75,6 +77,28 @@ class Recent:
         return sum(self.values) / len(self.values)
 
 
+class PlainTimes:
+    """A bucket's latest plain step times with their batch sizes, read as a robust line t = a + b * n
+    (Theil-Sen: the median of the pairwise slopes, kept >= 0, then the median intercept). A bucket spans
+    batch sizes up to 2x apart (65..128) and a step's time may grow with them (on a CPU it nearly
+    doubles), so each size is priced apart; with a single batch size it is the median."""
+
+    def __init__(self, size: int):
+        self.samples: deque[tuple[int, float]] = deque(maxlen=size)  # (batch size, seconds)
+
+    def add(self, batch_size: int, seconds: float) -> None:
+        self.samples.append((batch_size, seconds))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def at(self, batch_size: int) -> float:
+        pts = list(self.samples)
+        slopes = [(tj - ti) / (nj - ni) for i, (ni, ti) in enumerate(pts) for nj, tj in pts[i + 1:] if nj != ni]
+        slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+        return statistics.median(t - slope * (n - batch_size) for n, t in pts)
+
+
 class Pinned:
     """A fixed acceptance rate in place of a live window (Controller.pin_acceptance)."""
 
@@ -91,8 +115,7 @@ class Pinned:
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
                  probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 2, window: int = 9,
-                 prior_samples: int = 16,
-                 max_probe_every: int = 4096):
+                 prior_samples: int = 16, probe_steps: int = 3, max_probe_every: int = 4096):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
         self.policy = policy
@@ -105,7 +128,9 @@ class Controller:
         self.window = window
         self.max_probe_every = max_probe_every
         self.prior_samples = prior_samples
-        self.step_time: dict[tuple[int, Shape], Recent] = {}
+        self.probe_steps = probe_steps
+        self.plain_time: dict[int, PlainTimes] = {}  # per bucket
+        self.step_time: dict[tuple[int, Shape], Recent] = {}  # (bucket, draft shape): ratios to plain
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
         self.position_accept = [Recent(acceptance_window) for _ in range(max(s.steps for s in shapes))]
         self.tree_tokens = Recent(acceptance_window)
@@ -113,6 +138,8 @@ class Controller:
         self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
         self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
         self.probed: dict[int, Shape] = {}  # per bucket: the choice when the last probe was made
+        self.probing: dict[int, list[Shape]] = {}  # per bucket: the probe's steps still to take
+        self.stale: set[tuple[int, Shape]] = set()  # probed, and the old estimate not yet replaced
         self.last_sample: dict[tuple[int, Shape], int] = {}  # (bucket, shape): the record that last timed it
         self.records = 0
         self.steps_taken = 0
@@ -127,6 +154,8 @@ class Controller:
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
         self.steps_taken += 1
+        if self.probing.get(b):
+            return self.probing[b].pop()
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
             if self._samples(b, shape) < self.min_samples:
@@ -163,7 +192,10 @@ class Controller:
         self.next_probe[b] = self.steps_taken + self.probe_gap[b]
         self.probed[b] = best
         others = [s for s in self.shapes if s != best] or [best]
-        return min(others, key=lambda s: self.last_sample.get((b, s), -1))
+        shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
+        self.stale.add((b, shape))
+        self.probing[b] = [shape] * (self.probe_steps - 1)
+        return shape
 
     def expected_tokens(self, shape: Shape) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
@@ -191,11 +223,11 @@ class Controller:
         return rates
 
     def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
-        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape), 1e-9)
+        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape, batch_size), 1e-9)
 
-    def seconds(self, b: int, shape: Shape) -> float:
-        """A step of this shape in bucket b: plain's median, or a draft's median ratio to plain times it."""
-        plain = self.step_time[(b, PLAIN)].median
+    def seconds(self, b: int, shape: Shape, batch_size: int) -> float:
+        """A step of this shape at this batch size: plain's, or a draft's median ratio to plain times it."""
+        plain = self.plain_time[b].at(batch_size)
         return plain if shape == PLAIN else plain * self.step_time[(b, shape)].median
 
     def _guess(self, b: int, shape: Shape, batch_size: int) -> Optional[float]:
@@ -208,10 +240,10 @@ class Controller:
         if not smaller:
             return None
         ratio = self.step_time[(max(smaller), shape)].median
-        return batch_size * self.expected_tokens(shape) / max(self.step_time[(b, PLAIN)].median * ratio, 1e-9)
+        return batch_size * self.expected_tokens(shape) / max(self.plain_time[b].at(batch_size) * ratio, 1e-9)
 
     def _samples(self, b: int, shape: Shape) -> int:
-        return len(self.step_time.get((b, shape), ()))
+        return len(self.plain_time.get(b, ()) if shape == PLAIN else self.step_time.get((b, shape), ()))
 
     def pin_acceptance(self, rates: list[float]) -> None:
         """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:
@@ -220,16 +252,19 @@ class Controller:
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
-        """A decode step's wall time. A draft's is kept as its ratio to the latest plain steps of the
-        bucket, so that the machine's load and the batch sizes within a bucket, which move while a
-        draft goes unmeasured between probes, cancel; without plain steps yet it is dropped."""
+        """A decode step's wall time. A draft's is kept as its ratio to the bucket's latest plain steps
+        at its batch size, so that the machine's load and the batch sizes within a bucket, which move
+        while a draft goes unmeasured between probes, cancel; without plain steps yet it is dropped."""
         b = bucket(batch_size)
-        if shape != PLAIN:
-            plain = self.step_time.get((b, PLAIN))
-            if not plain:
-                return
-            seconds /= plain.median
-        self.step_time.setdefault((b, shape), Recent(self.window)).add(seconds)
+        if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old estimate
+            self.stale.discard((b, shape))
+            (self.plain_time if shape == PLAIN else self.step_time).pop(b if shape == PLAIN else (b, shape), None)
+        if shape == PLAIN:
+            self.plain_time.setdefault(b, PlainTimes(self.window)).add(batch_size, seconds)
+        elif b in self.plain_time:
+            self.step_time.setdefault((b, shape), Recent(self.window)).add(seconds / self.plain_time[b].at(batch_size))
+        else:
+            return
         self.records += 1
         self.last_sample[(b, shape)] = self.records
 
