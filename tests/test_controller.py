@@ -27,7 +27,7 @@ def feed(c: Controller, batch: int, cost, accept: float, steps: int = 400, noise
 
 
 def draft_runs(chosen: list[Shape]) -> int:
-    """How many times the controller left plain decoding (a probe is one run of `probe_steps` steps)."""
+    """How many times the controller left plain decoding (a probe is one run of `min_samples` steps)."""
     return sum(s != PLAIN and (i == 0 or chosen[i - 1] == PLAIN) for i, s in enumerate(chosen))
 
 
@@ -104,7 +104,7 @@ def test_a_slower_machine_does_not_make_unmeasured_drafts_look_cheap():
     cost = lambda s: 0.010 * (1 + 0.8 * s.k)  # noqa: E731
     assert settled(feed(c, 64, cost, accept=0.5)) == PLAIN
     slow = feed(c, 64, lambda s: 2.5 * cost(s), accept=0.5, steps=200, seed=1)
-    assert draft_runs(slow) <= 1 and sum(s != PLAIN for s in slow) <= c.probe_steps  # a probe at most
+    assert draft_runs(slow) <= 1 and sum(s != PLAIN for s in slow) <= c.min_samples  # a probe at most
 
 
 def test_a_batch_that_lost_at_a_smaller_size_is_not_explored_again():
@@ -140,13 +140,14 @@ def test_a_few_early_rejections_deep_in_the_draft_do_not_hold_long_drafts_off():
 
 def test_one_probe_replaces_a_stale_estimate():
     """Chain 3 runs for long (a full window of its times), then for a while costs 5x a plain step and
-    loses; when it is cheap again, the next probe's steps replace its stale times and it comes back,
-    rather than after the several probes (each twice as far apart) a median of stale times would need."""
+    loses (a dearer draft looks like a slower machine until the next probe of plain tells them apart);
+    when it is cheap again, the next probe's steps replace its stale times and it comes back, rather
+    than after the several probes (each twice as far apart) a median of stale times would need."""
     c = Controller("adaptive", SHAPES)
     cheap = lambda s: 0.010 * (1 + 0.3 * s.k)  # noqa: E731
     assert settled(feed(c, 8, cheap, accept=0.9)) == SHAPES[-1]
-    assert settled(feed(c, 8, lambda s: 0.010 * (1 + 1.4 * s.k), accept=0.9, steps=150, seed=1)) == PLAIN
-    back = feed(c, 8, cheap, accept=0.9, steps=300, seed=2)
+    assert settled(feed(c, 8, lambda s: 0.010 * (1 + 1.4 * s.k), accept=0.9, steps=300, seed=1)) == PLAIN
+    back = feed(c, 8, cheap, accept=0.9, steps=600, seed=2)
     assert settled(back) == SHAPES[-1], back
 
 
@@ -160,5 +161,16 @@ def test_plain_is_priced_at_the_batch_size_within_a_bucket():
     for n in range(66, 99, 4):
         c.choose(n)
         c.record_step(n, PLAIN, 0.001 * n)
-    assert abs(c.plain_time[128].at(120) - 0.120) < 1e-9
+    assert abs(c.step_time[(128, PLAIN)].line(120) - 0.120) < 1e-9
     assert settled(feed(c, 120, lambda s: 0.120 * (1 + 0.62 * s.k), accept=0.9)) != PLAIN
+
+
+def test_a_machine_that_slows_while_a_draft_runs_keeps_the_draft():
+    """Chain 3 wins (1.6x the time of a plain step for 3.4 tokens); then the machine slows 3x, for every
+    shape, while the chain runs and plain is not timed. The chain's slower steps move the bucket's speed
+    index, not its price against plain's old times, so it stays the choice."""
+    c = Controller("adaptive", SHAPES)
+    cost = lambda s: 0.010 * (1 + 0.2 * s.k)  # noqa: E731
+    assert settled(feed(c, 1, cost, accept=0.9)) == SHAPES[-1]
+    slow = feed(c, 1, lambda s: 3 * cost(s), accept=0.9, steps=200, seed=1)
+    assert sum(s == SHAPES[-1] for s in slow) >= 190, "".join(str(s.k) for s in slow)

@@ -231,9 +231,7 @@ class LLMEngine:
             out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else (), publish=True)
             self.stats.num_steps += 1
             self.stats.spec.last_k = 0
-            self.inflight = self._launch_sampling(batch, out)
-            self.inflight.decoding, self.inflight.alone = self._decoding_only(batch), previous is None
-            self.inflight.batch_size, self.inflight.started = len(batch), start
+            self.inflight = self._launch_sampling(batch, out, alone=previous is None, started=start)
         outputs = self._resolve(previous) if previous is not None else []
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch and self.inflight.decoding and previous is not None and previous.decoding:
@@ -250,8 +248,10 @@ class LLMEngine:
             self.controller.record_step(flight.batch_size, PLAIN, time.perf_counter() - flight.started)
         return outputs
 
-    def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput) -> "InFlight":
-        """Commit the batch's KV, sample on the device and start copying the tokens to the host."""
+    def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput, alone: bool,
+                         started: float) -> "InFlight":
+        """Commit the batch's KV, sample on the device and start copying the tokens to the host. `alone`:
+        no step was in flight when this one launched; `started`: perf_counter when its step began."""
         sampling = [i for i, item in enumerate(batch) if item.samples]
         seqs = [batch[i].seq for i in sampling]
         tokens, logprobs = None, []
@@ -268,7 +268,8 @@ class LLMEngine:
             seq.num_pending += 1
             seq.pending_row = row
         self.runner.publish(tokens)
-        flight = InFlight(seqs, tokens, logprobs)
+        flight = InFlight(seqs, tokens, logprobs, decoding=self._decoding_only(batch), alone=alone,
+                          batch_size=len(batch), started=started)
         if seqs:
             self._flip = 1 - self._flip  # two host buffers: one being read, one being filled
             flight.start_copy(self.host_buffers[self._flip], self.copy_events[self._flip])
@@ -313,7 +314,8 @@ class LLMEngine:
             seq = item.seq
             self._count_prompt(item)
             if item.draft is not None:
-                tokens, logprobs = self._accept(item, out, i, committed)
+                tokens, logprobs, entry = self._accept(item, out, i)
+                committed.append(entry)
             else:
                 committed.append(self._commit(seq, range(item.num_tokens), out, i))
                 if i not in sampled:
@@ -356,14 +358,15 @@ class LLMEngine:
         if self.proposer is not None and committed:
             self.proposer.observe(out.aux, committed)
 
-    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int, committed: list):
+    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int):
+        """Verify the item's draft: (tokens gained, their logprobs or None, the rows committed)."""
         seq, tree = item.seq, item.draft
         logits = out.logits[out.rows[i].start:out.rows[i].stop]  # [N, vocab]
         verdict = verify(tree, logits, seq.params, seq.generator)
         n = seq.num_computed_tokens
         if verdict.path != list(range(len(verdict.path))):  # a tree branch: move its KV into place
             self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])
-        committed.append(self._commit(seq, verdict.path, out, i))
+        committed = self._commit(seq, verdict.path, out, i)
         self.stats.spec.record(tree.num_drafts, verdict.num_accepted)
         self.controller.record_verify(self.shape, verdict.num_accepted)
         tokens = verdict.tokens
@@ -371,7 +374,7 @@ class LLMEngine:
         if seq.params.logprobs is not None:
             rows = logits[verdict.path]
             logprobs = self.runner.logprobs(rows, torch.tensor(tokens, device=rows.device), [seq] * len(tokens))
-        return tokens, logprobs
+        return tokens, logprobs, committed
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()

@@ -27,57 +27,50 @@ class EngineCollector:
         self.engine = engine
         self.labels = {"model_name": model_name}
 
-    def _family(self, cls, name: str, doc: str, value: float) -> Metric:
-        family = cls(name, doc, labels=list(self.labels))
-        family.add_metric(list(self.labels.values()), value)
-        return family
-
     def collect(self) -> Iterator[Metric]:
         engine = self.engine()
         if engine is None:
             return
         core = engine.engine
-        stats, spec = core.stats, core.stats.spec
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(gauge, "specserve:num_requests_running", "Requests running in the engine",
-                           len(core.scheduler.running))
-        yield self._family(gauge, "specserve:num_requests_waiting", "Requests waiting to be scheduled",
-                           len(core.scheduler.waiting))
-        yield self._family(gauge, "specserve:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
-                           core.blocks.usage)
-        yield self._family(counter, "specserve:prompt_tokens", "Prompt tokens computed", stats.num_prompt_tokens)
-        yield self._family(counter, "specserve:generation_tokens", "Output tokens generated",
-                           stats.num_generation_tokens)
-        yield self._family(counter, "specserve:num_preemptions", "Requests preempted", stats.num_preemptions)
-        yield self._family(counter, "specserve:spec_decode_num_drafts", "Speculative verifies (one per request)",
-                           spec.num_drafts)
-        yield self._family(counter, "specserve:spec_decode_num_draft_tokens", "Draft tokens proposed",
-                           spec.num_draft_tokens)
-        yield self._family(counter, "specserve:spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                           spec.num_accepted_tokens)
+        for kind, name, doc, value in engine_values(core):
+            family = kind(f"specserve:{name}", doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
         per_pos = CounterMetricFamily("specserve:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted at each draft position",
                                       labels=[*self.labels, "position"])
-        for position, count in enumerate(list(spec.accepted_per_position)):
+        for position, count in enumerate(list(core.stats.spec.accepted_per_position)):
             per_pos.add_metric([*self.labels.values(), str(position)], count)
         yield per_pos
-        yield self._family(gauge, "specserve:spec_decode_k", "Draft tokens per request chosen for the latest step",
-                           spec.last_k)
-        cache, host = stats.prefix_cache, core.blocks.host
-        yield self._family(counter, "specserve:prefix_cache_queries", "Tokens looked up in the prefix cache "
-                           "(every token of a request when it is admitted)", cache.num_queries)
-        yield self._family(counter, "specserve:prefix_cache_hits", "Tokens served from the prefix cache "
-                           "(device and host pools)", cache.num_hits)
-        yield self._family(counter, "specserve:prefix_cache_host_hits", "Tokens served from the host KV pool "
-                           "(copied back to the device)", cache.num_host_hits)
-        yield self._family(counter, "specserve:kv_evicted_blocks", "Cached KV blocks evicted from the device pool",
-                           cache.num_evicted_blocks)
-        yield self._family(counter, "specserve:kv_host_saved_blocks", "KV blocks copied to the host pool",
-                           cache.num_host_saved_blocks)
-        yield self._family(counter, "specserve:kv_host_loaded_blocks", "KV blocks copied back from the host pool",
-                           cache.num_host_loaded_blocks)
-        yield self._family(gauge, "specserve:kv_host_usage_perc", "Fraction of host KV pool slots in use (0-1)",
-                           host.usage if host is not None else 0.0)
+
+
+def engine_values(core) -> list[tuple[type, str, str, float]]:
+    """(kind, name, help, value) of each single-valued engine metric."""
+    stats, spec, cache, host = core.stats, core.stats.spec, core.stats.prefix_cache, core.blocks.host
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    return [
+        (gauge, "num_requests_running", "Requests running in the engine", len(core.scheduler.running)),
+        (gauge, "num_requests_waiting", "Requests waiting to be scheduled", len(core.scheduler.waiting)),
+        (gauge, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", core.blocks.usage),
+        (counter, "prompt_tokens", "Prompt tokens computed", stats.num_prompt_tokens),
+        (counter, "generation_tokens", "Output tokens generated", stats.num_generation_tokens),
+        (counter, "num_preemptions", "Requests preempted", stats.num_preemptions),
+        (counter, "spec_decode_num_drafts", "Speculative verifies (one per request)", spec.num_drafts),
+        (counter, "spec_decode_num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens),
+        (counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
+        (gauge, "spec_decode_k", "Draft tokens per request chosen for the latest step", spec.last_k),
+        (counter, "prefix_cache_queries", "Tokens looked up in the prefix cache (every token of a request when "
+         "it is admitted)", cache.num_queries),
+        (counter, "prefix_cache_hits", "Tokens served from the prefix cache (device and host pools)",
+         cache.num_hits),
+        (counter, "prefix_cache_host_hits", "Tokens served from the host KV pool (copied back to the device)",
+         cache.num_host_hits),
+        (counter, "kv_evicted_blocks", "Cached KV blocks evicted from the device pool", cache.num_evicted_blocks),
+        (counter, "kv_host_saved_blocks", "KV blocks copied to the host pool", cache.num_host_saved_blocks),
+        (counter, "kv_host_loaded_blocks", "KV blocks copied back from the host pool", cache.num_host_loaded_blocks),
+        (gauge, "kv_host_usage_perc", "Fraction of host KV pool slots in use (0-1)",
+         host.usage if host is not None else 0.0),
+    ]
 
 
 class ServerMetrics:

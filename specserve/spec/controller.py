@@ -10,14 +10,14 @@ Policies:
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
   tree); step times (drafting, catching up and verifying included) are measured per (batch-size
-  bucket, shape) from live steps: plain's as a robust line in the batch size (`PlainTimes`), a draft's
-  as the median of its latest `window` ratios to plain's at the time and batch size (drafts run rarely
-  under load, and the machine and the batch drift meanwhile; a median shrugs off noise and the one
-  long catch-up that follows a plain phase).
+  bucket, shape) from live steps, the latest `window` of each read per batch size (`StepTimes`; a
+  median shrugs off noise and the one long catch-up that follows a plain phase). Shapes are measured
+  at different times while the machine's speed drifts, so times are kept at a per-bucket speed index
+  that the chosen shape's steps track (`record_step`).
   Unmeasured shapes are tried in order of size until a larger one has clearly lost (or, guessed from
   the cost ratio measured at a smaller batch, would clearly lose), a switch needs a clear gain
   (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties go to plain),
-  and the shape whose estimate is oldest is probed so a dropped one can come back: `probe_steps` steps
+  and the shape whose estimate is oldest is probed so a dropped one can come back: `min_samples` steps
   whose times replace its estimate (one step would barely move a median of stale ones, and their
   median drops the first one's catch-up), after `probe_every` steps, and twice as long after each
   probe that changed nothing (a probe of k > 0 after a plain phase pays the draft's catch-up over the
@@ -77,26 +77,43 @@ class Recent:
         return sum(self.values) / len(self.values)
 
 
-class PlainTimes:
-    """A bucket's latest plain step times with their batch sizes, read as a robust line t = a + b * n
-    (Theil-Sen: the median of the pairwise slopes, kept >= 0, then the median intercept). A bucket spans
-    batch sizes up to 2x apart (65..128) and a step's time may grow with them (on a CPU it nearly
-    doubles), so each size is priced apart; with a single batch size it is the median."""
+def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of a Theil-Sen line through (x, y) points: the median of the pairwise slopes, kept
+    >= 0 (a step never gets cheaper with more requests or more draft tokens), then the median intercept;
+    with a single x, the median y. Robust to a minority of outliers, as step times need."""
+    slopes = [(yj - yi) / (xj - xi) for i, (xi, yi) in enumerate(points) for xj, yj in points[i + 1:] if xj != xi]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return statistics.median(y - slope * x for x, y in points), slope
+
+
+class StepTimes:
+    """One shape's latest step times in a bucket, with their batch sizes. A bucket spans batch sizes up
+    to 2x apart (65..128) and a step's time may grow with them (on a CPU it nearly doubles), so plain's
+    are read as a robust line in the batch size, and a draft's are each scaled by plain's line from
+    their batch size to the one asked for."""
 
     def __init__(self, size: int):
         self.samples: deque[tuple[int, float]] = deque(maxlen=size)  # (batch size, seconds)
+        self._fit: Optional[tuple[float, float]] = None
 
     def add(self, batch_size: int, seconds: float) -> None:
         self.samples.append((batch_size, seconds))
+        self._fit = None
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def at(self, batch_size: int) -> float:
-        pts = list(self.samples)
-        slopes = [(tj - ti) / (nj - ni) for i, (ni, ti) in enumerate(pts) for nj, tj in pts[i + 1:] if nj != ni]
-        slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
-        return statistics.median(t - slope * (n - batch_size) for n, t in pts)
+    def line(self, batch_size: int) -> float:
+        if self._fit is None:
+            self._fit = robust_line(list(self.samples))
+        intercept, slope = self._fit
+        return intercept + slope * batch_size
+
+    def scaled(self, batch_size: int, plain: Optional["StepTimes"]) -> list[float]:
+        """The times, each as if taken at this batch size."""
+        if plain is None:
+            return [t for _, t in self.samples]
+        return [t * plain.line(batch_size) / plain.line(n) for n, t in self.samples]
 
 
 class Pinned:
@@ -114,8 +131,8 @@ class Pinned:
 
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
-                 probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 2, window: int = 9,
-                 prior_samples: int = 16, probe_steps: int = 3, max_probe_every: int = 4096):
+                 probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 3, window: int = 9,
+                 prior_samples: int = 16, speed_window: int = 5, max_probe_every: int = 4096):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
         self.policy = policy
@@ -128,9 +145,10 @@ class Controller:
         self.window = window
         self.max_probe_every = max_probe_every
         self.prior_samples = prior_samples
-        self.probe_steps = probe_steps
-        self.plain_time: dict[int, PlainTimes] = {}  # per bucket
-        self.step_time: dict[tuple[int, Shape], Recent] = {}  # (bucket, draft shape): ratios to plain
+        self.speed_window = speed_window
+        self.speed: dict[int, float] = {}  # per bucket: the machine's speed index (1 at its first steps)
+        self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by the chosen shape's steps
+        self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
         self.position_accept = [Recent(acceptance_window) for _ in range(max(s.steps for s in shapes))]
         self.tree_tokens = Recent(acceptance_window)
@@ -194,7 +212,7 @@ class Controller:
         others = [s for s in self.shapes if s != best] or [best]
         shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
         self.stale.add((b, shape))
-        self.probing[b] = [shape] * (self.probe_steps - 1)
+        self.probing[b] = [shape] * (self.min_samples - 1)
         return shape
 
     def expected_tokens(self, shape: Shape) -> float:
@@ -226,9 +244,14 @@ class Controller:
         return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape, batch_size), 1e-9)
 
     def seconds(self, b: int, shape: Shape, batch_size: int) -> float:
-        """A step of this shape at this batch size: plain's, or a draft's median ratio to plain times it."""
-        plain = self.plain_time[b].at(batch_size)
-        return plain if shape == PLAIN else plain * self.step_time[(b, shape)].median
+        """A step of this shape at this batch size, at the machine's current speed."""
+        return self.speed.get(b, 1.0) * self._cost(b, shape, batch_size)
+
+    def _cost(self, b: int, shape: Shape, batch_size: int) -> float:
+        """A step's time at the speed index 1 (see `StepTimes` for how batch sizes are read)."""
+        plain = self.step_time.get((b, PLAIN))
+        return plain.line(batch_size) if shape == PLAIN else \
+            statistics.median(self.step_time[(b, shape)].scaled(batch_size, plain))
 
     def _guess(self, b: int, shape: Shape, batch_size: int) -> Optional[float]:
         """Goodput of a draft shape unmeasured in bucket b, from its cost ratio to plain in the nearest
@@ -236,14 +259,16 @@ class Controller:
         batch. None when there is no such bucket or plain is unmeasured here."""
         if shape == PLAIN or self._samples(b, PLAIN) < self.min_samples:
             return None
-        smaller = [c for (c, s), t in self.step_time.items() if s == shape and c < b and len(t) >= self.min_samples]
+        smaller = [c for (c, s), t in self.step_time.items()
+                   if s == shape and c < b and len(t) >= self.min_samples and self._samples(c, PLAIN)]
         if not smaller:
             return None
-        ratio = self.step_time[(max(smaller), shape)].median
-        return batch_size * self.expected_tokens(shape) / max(self.plain_time[b].at(batch_size) * ratio, 1e-9)
+        c = max(smaller)
+        ratio = self._cost(c, shape, c) / self._cost(c, PLAIN, c)
+        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, PLAIN, batch_size) * ratio, 1e-9)
 
     def _samples(self, b: int, shape: Shape) -> int:
-        return len(self.plain_time.get(b, ()) if shape == PLAIN else self.step_time.get((b, shape), ()))
+        return len(self.step_time.get((b, shape), ()))
 
     def pin_acceptance(self, rates: list[float]) -> None:
         """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:
@@ -252,19 +277,20 @@ class Controller:
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
-        """A decode step's wall time. A draft's is kept as its ratio to the bucket's latest plain steps
-        at its batch size, so that the machine's load and the batch sizes within a bucket, which move
-        while a draft goes unmeasured between probes, cancel; without plain steps yet it is dropped."""
+        """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
+        measured at different times, so times are kept at a per-bucket speed index, which the steps of
+        the chosen shape track: the shape that runs anchors the others, which only probes measure, so
+        a slower machine leaves their comparison as it was, and a probe of plain tells a dearer draft
+        from a slower machine."""
         b = bucket(batch_size)
         if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old estimate
             self.stale.discard((b, shape))
-            (self.plain_time if shape == PLAIN else self.step_time).pop(b if shape == PLAIN else (b, shape), None)
-        if shape == PLAIN:
-            self.plain_time.setdefault(b, PlainTimes(self.window)).add(batch_size, seconds)
-        elif b in self.plain_time:
-            self.step_time.setdefault((b, shape), Recent(self.window)).add(seconds / self.plain_time[b].at(batch_size))
-        else:
-            return
+            self.step_time.pop((b, shape), None)
+        if shape == self.current.get(b) and self._samples(b, shape) >= self.min_samples:
+            implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
+            implied.add(seconds / self._cost(b, shape, batch_size))
+            self.speed[b] = implied.median
+        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed.get(b, 1.0))
         self.records += 1
         self.last_sample[(b, shape)] = self.records
 
