@@ -177,7 +177,8 @@ class Controller:
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
             if self._samples(b, shape) < self.min_samples:
-                if measured:  # this shape's guess (a smaller batch's cost ratio), else the last measured one
+                if measured and not self._samples(b, shape):  # not begun: skip it if even a hope loses
+                    # the hope: this shape's guess (a smaller batch's cost ratio), else the last measured one
                     guess = self._guess(b, shape, batch_size)
                     hope = guess if guess is not None else self.goodput(b, measured[-1], batch_size)
                     if hope * (1 + 2 * self.hysteresis) < max(self.goodput(b, m, batch_size) for m in measured):
