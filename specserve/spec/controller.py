@@ -146,7 +146,6 @@ class Controller:
         self.max_probe_every = max_probe_every
         self.prior_samples = prior_samples
         self.speed_window = speed_window
-        self.speed: dict[int, float] = {}  # per bucket: the machine's speed index (1 at its first steps)
         self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by the chosen shape's steps
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
@@ -246,7 +245,12 @@ class Controller:
 
     def seconds(self, b: int, shape: Shape, batch_size: int) -> float:
         """A step of this shape at this batch size, at the machine's current speed."""
-        return self.speed.get(b, 1.0) * self._cost(b, shape, batch_size)
+        return self.speed(b) * self._cost(b, shape, batch_size)
+
+    def speed(self, b: int) -> float:
+        """Bucket b's speed index: the median speed its chosen shape's latest steps implied (1 before any)."""
+        implied = self.implied_speed.get(b)
+        return implied.median if implied else 1.0
 
     def _cost(self, b: int, shape: Shape, batch_size: int) -> float:
         """A step's time at the speed index 1 (see `StepTimes` for how batch sizes are read)."""
@@ -290,8 +294,7 @@ class Controller:
         if shape == self.current.get(b) and self._samples(b, shape) >= self.min_samples:
             implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
             implied.add(seconds / self._cost(b, shape, batch_size))
-            self.speed[b] = implied.median
-        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed.get(b, 1.0))
+        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
         self.records += 1
         self.last_sample[(b, shape)] = self.records
 
