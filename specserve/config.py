@@ -88,6 +88,9 @@ class SpeculativeConfig:
                                                               "(default: steps+1 for a chain, 8 for a tree)")
     speculative_policy: str = _opt("adaptive", "how much to speculate each step", ("adaptive", "always", "threshold"))
     speculative_disable_batch_threshold: int = _opt(32, "threshold policy: no speculation while more requests run")
+    speculative_synthetic_acceptance_rates: Optional[tuple[float, ...]] = _opt(
+        None, "benchmarks only: accept drafts at these per-position rates instead of verifying them (entry i = "
+              "probability that the first i+1 drafts are accepted; one per draft step; output text is meaningless)")
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +100,8 @@ class SpeculativeConfig:
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         if s < 1 or k < 1:
             raise ConfigError(f"speculative_num_steps ({s}) and speculative_eagle_topk ({k}) must be >= 1")
+        if self.speculative_synthetic_acceptance_rates is not None:
+            self._validate_rates(self.speculative_synthetic_acceptance_rates)
         if n is None:
             return
         if k == 1 and n != s + 1:
@@ -106,6 +111,17 @@ class SpeculativeConfig:
         if not 2 <= n <= most:
             raise ConfigError(f"speculative_num_draft_tokens {n} must be in [2, {most}] for "
                               f"{s} steps with topk {k}")
+
+    def _validate_rates(self, rates: tuple[float, ...]) -> None:
+        name, depth = "speculative_synthetic_acceptance_rates", self.speculative_num_steps
+        if len(rates) != depth:
+            raise ConfigError(f"{name} has {len(rates)} entries; it needs one per draft step "
+                              f"(speculative_num_steps = {depth})")
+        if any(not 0.0 <= r <= 1.0 for r in rates):
+            raise ConfigError(f"{name} must lie in [0, 1], got {list(rates)}")
+        if any(b > a for a, b in zip(rates, rates[1:])):
+            raise ConfigError(f"{name} must be non-increasing (entry i is the probability that the first i+1 "
+                              f"drafts are all accepted), got {list(rates)}")
 
     def resolved(self) -> "SpeculativeConfig":
         n = self.speculative_num_draft_tokens
@@ -151,10 +167,20 @@ def _check_type(name: str, value: Any, f: dataclasses.Field) -> Any:
         value = float(value) if ok else value
     elif base == "str":
         ok = isinstance(value, str)
+    elif base.startswith("tuple"):  # numbers, as a list or "0.8,0.6" (the command line)
+        if isinstance(value, str):
+            try:
+                value = [float(x) for x in value.split(",") if x.strip()]
+            except ValueError:
+                raise ConfigError(f"option {name} expects comma-separated numbers, got {value!r}") from None
+        ok = isinstance(value, (list, tuple)) and len(value) > 0 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+        value = tuple(float(x) for x in value) if ok else value
     else:
         ok = True
     if not ok:
-        raise ConfigError(f"option {name} expects {base}, got {type(value).__name__} {value!r}")
+        what = "a list of numbers" if base.startswith("tuple") else base
+        raise ConfigError(f"option {name} expects {what}, got {type(value).__name__} {value!r}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"option {name}={value!r} is not one of {', '.join(map(str, choices))}")
@@ -260,6 +286,8 @@ class EngineConfig:
             if not os.path.isdir(draft):
                 raise FileNotFoundError(f"draft model folder {draft!r} does not exist")
             spec = replace(spec.resolved(), speculative_draft_model_path=draft)
+        elif spec.speculative_synthetic_acceptance_rates is not None:
+            raise ConfigError("speculative_synthetic_acceptance_rates given without speculative decoding")
         return replace(self, model=model_cfg, execution=execution, speculative=spec)
 
     def flat(self) -> dict[str, Any]:

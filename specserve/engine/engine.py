@@ -16,7 +16,7 @@ from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
-from ..spec import make_proposer
+from ..spec import make_proposer, make_synthetic
 from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
 from ..spec.verify import verify
 from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
@@ -104,7 +104,11 @@ class LLMEngine:
                 raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
                                  f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                                  f"or kv_cache_gb, or lower max_model_len")
-            self.proposer = make_proposer(config, self.arch, self.runner) if spec.enabled else None
+            self.synthetic = make_synthetic(config) if spec.enabled else None
+            if self.synthetic is not None:
+                log.warning("SYNTHETIC ACCEPTANCE: drafts are accepted at rates %s, not verified; output text is "
+                            "meaningless (benchmarks only)", list(self.synthetic.rates))
+            self.proposer = make_proposer(config, self.arch, self.runner, self.synthetic) if spec.enabled else None
             self.blocks = make_block_manager(config.cache, self.runner, self.proposer)
             self.controller = Controller(spec.speculative_policy, candidate_shapes(
                 spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
@@ -362,7 +366,8 @@ class LLMEngine:
         """Verify the item's draft: (tokens gained, their logprobs or None, the rows committed)."""
         seq, tree = item.seq, item.draft
         logits = out.logits[out.rows[i].start:out.rows[i].stop]  # [N, vocab]
-        verdict = verify(tree, logits, seq.params, seq.generator)
+        check = self.synthetic.verify if self.synthetic is not None else verify
+        verdict = check(tree, logits, seq.params, seq.generator)
         n = seq.num_computed_tokens
         if verdict.path != list(range(len(verdict.path))):  # a tree branch: move its KV into place
             self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])

@@ -89,6 +89,7 @@ class ServerState:
         stats = dataclasses.asdict(core.stats)
         spec = stats.pop("spec")
         spec["mean_acceptance_length"] = core.stats.spec.mean_acceptance_length
+        spec["synthetic_acceptance_rates"] = core.config.speculative.speculative_synthetic_acceptance_rates
         cache, blocks = core.stats.prefix_cache, core.blocks
         prefix = stats.pop("prefix_cache")
         prefix.update(enabled=blocks.enabled, hit_rate=cache.hit_rate, device_hit_rate=cache.device_hit_rate,

@@ -2,7 +2,15 @@
 from __future__ import annotations
 
 
-def make_proposer(config, target_arch, runner):
+def make_synthetic(config):
+    """The synthetic acceptance the configuration asks for (benchmarks), or None."""
+    from .synthetic import SyntheticAcceptance
+
+    rates = config.speculative.speculative_synthetic_acceptance_rates
+    return SyntheticAcceptance(tuple(rates), config.model.seed) if rates else None
+
+
+def make_proposer(config, target_arch, runner, synthetic=None):
     """The proposer the configuration asks for (only EAGLE-3 today)."""
     from .eagle3_proposer import Eagle3Proposer
 
@@ -11,4 +19,4 @@ def make_proposer(config, target_arch, runner):
         raise ValueError(f"unknown speculative algorithm {spec.speculative_algorithm!r}")
     return Eagle3Proposer(spec, target_arch, runner.draft_embedding, runner.num_blocks * runner.block_size,
                           runner.block_size, runner.dtype, runner.device, runner.backend,
-                          config.model.load_format, config.model.seed)
+                          config.model.load_format, config.model.seed, synthetic)

@@ -149,8 +149,8 @@ class Controller:
         self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by the chosen shape's steps
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
-        self.position_accept = [Recent(acceptance_window) for _ in range(max(s.steps for s in shapes))]
-        self.tree_tokens = Recent(acceptance_window)
+        self.acceptance_window = acceptance_window
+        self.forget_acceptance()
         self.current: dict[int, Shape] = {}
         self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
         self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
@@ -274,6 +274,12 @@ class Controller:
 
     def _samples(self, b: int, shape: Shape) -> int:
         return len(self.step_time.get((b, shape), ()))
+
+    def forget_acceptance(self) -> None:
+        """Learn acceptance afresh (the drafter or the workload changed); step times stay."""
+        depth = max(s.steps for s in self.shapes)
+        self.position_accept = [Recent(self.acceptance_window) for _ in range(depth)]
+        self.tree_tokens = Recent(self.acceptance_window)
 
     def pin_acceptance(self, rates: list[float]) -> None:
         """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:

@@ -26,6 +26,7 @@ from ..models import ArchConfig
 from .eagle3 import Eagle3Draft, load_eagle3
 from .controller import Shape
 from .proposer import Proposer
+from .synthetic import SyntheticAcceptance
 from .tree import DraftTree, select_tree
 
 
@@ -52,10 +53,12 @@ class DraftState:
 class Eagle3Proposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_embedding, num_slots_total: int,
                  block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch",
-                 load_format: str = "safetensors", seed: int = 0):
+                 load_format: str = "safetensors", seed: int = 0, synthetic: Optional[SyntheticAcceptance] = None):
         """target_embedding: the target's token embedding, whole (the draft shares it); load_format and
-        seed as the target's (dummy weights for a dummy target)."""
+        seed as the target's (dummy weights for a dummy target); synthetic: trees rank children by its
+        scores (benchmarks with synthetic acceptance)."""
         self.block_size = block_size
+        self.synthetic = synthetic
         self.backend = backend
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device,
@@ -114,6 +117,8 @@ class Eagle3Proposer(Proposer):
         base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
         logp = logits.float().log_softmax(-1)
         scores, draft_ids = logp.topk(k, dim=-1)  # [B, K]
+        if self.synthetic is not None and k > 1:
+            scores = self.synthetic.child_scores(1, k, self.device).expand(batch, k)
         cand_tokens = [self.draft.to_target_ids(draft_ids)]
         cand_scores = [scores]
         cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=self.device)]
@@ -126,6 +131,8 @@ class Eagle3Proposer(Proposer):
             logits, h_out = self._expand(seqs, base, depth, tokens, h_in, ancestors)
             logp = logits.float().log_softmax(-1).view(batch, k, -1)
             child_scores, child_ids = logp.topk(k, dim=-1)  # [B, K, K]
+            if self.synthetic is not None:
+                child_scores = self.synthetic.child_scores(depth + 1, k, self.device).expand(batch, k, k)
             child_scores = (exp_scores.unsqueeze(-1) + child_scores).view(batch, k * k)
             offset = sum(t.shape[1] for t in cand_tokens)
             cand_tokens.append(self.draft.to_target_ids(child_ids.view(batch, k * k)))

@@ -1,0 +1,226 @@
+"""The concurrency sweep at a realistic model size: the Llama-3.1-8B shape with dummy weights, drafts
+accepted at synthetic rates (`speculative_synthetic_acceptance_rates`; random weights accept nothing).
+
+    python benchmarks/synthetic_sweep.py --out sweep_8b.json [--plot sweep_8b.png]
+        [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200] [--warmup 5]
+        [--configs plain,chain,tree,threshold,adaptive] [--profiles shipped,weak,strong]
+    python benchmarks/synthetic_sweep.py --plot sweep_8b.png --merge part1.json part2.json --out all.json
+
+For each configuration (plain, a chain of 3 speculating every step, the default tree speculating every
+step, the threshold policy at SGLang's batch threshold, and the adaptive controller) and each acceptance
+profile, one engine keeps C requests in flight (closed loop) until max(requests, C) have finished, at
+every level C; output tokens/s per level. Prompts are random token ids of log-uniform length between
+--prompt-len-min and --prompt-len-max (default 256-2048, median ~720: coding and agent prompts), the same
+for every configuration; 200 greedy tokens each, EOS ignored. `--requests` may be one number or one per
+level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once per
+configuration; the profiles run on it in turn, the controller's learned acceptance reset between them
+and `--warmup` requests run first.
+
+Profiles (entry i: probability that the first i+1 drafts are accepted):
+- shipped: the shipped pair's measured rates (README: chain 0.77 0.61 0.53; tree 0.88 0.70 0.54 0.43 0.33);
+- weak: chain 0.4 0.2 0.1; strong: chain 0.9 0.8 0.7. Their tree rates (five positions) are assumptions,
+  continuing the chain's last conditional rate and, as the shipped pair's tree does over its chain,
+  accepting the first draft more often: weak 0.5 0.25 0.12 0.06 0.03, strong 0.95 0.88 0.8 0.72 0.64.
+
+Per level the JSON keeps output tokens/s, per-request tokens/s spread, mean k, decode steps and the mean
+wall time of a step, the measured acceptance length, and the engine's draft / verify seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+
+PROFILES = {
+    "shipped": {"chain": (0.77, 0.61, 0.53), "tree": (0.88, 0.70, 0.54, 0.43, 0.33)},
+    "weak": {"chain": (0.4, 0.2, 0.1), "tree": (0.5, 0.25, 0.12, 0.06, 0.03)},
+    "strong": {"chain": (0.9, 0.8, 0.7), "tree": (0.95, 0.88, 0.8, 0.72, 0.64)},
+}
+HERE = os.path.dirname(os.path.abspath(__file__))
+TARGET = os.path.join(HERE, "configs", "llama-3.1-8b")
+DRAFT = os.path.join(HERE, "configs", "llama-3.1-8b-eagle3")
+
+
+def configurations(draft: str) -> dict[str, dict]:
+    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
+    return {
+        "plain": dict(speculative_algorithm="none"),
+        "chain": dict(spec, speculative_num_steps=3, speculative_policy="always"),
+        "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                     speculative_policy="always"),
+        "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
+                          speculative_disable_batch_threshold=32),
+        "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
+    }
+
+
+def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) for _ in range(n)]
+    return [[rng.randrange(1000, vocab) for _ in range(length)] for length in lengths]
+
+
+def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids: list) -> dict:
+    """Closed loop: `concurrency` requests in flight until `total` finished; what the level measured."""
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    stats, spec = engine.stats, engine.stats.spec
+    before = (stats.num_steps, spec.num_drafts, spec.num_accepted_tokens, spec.draft_time_s, spec.verify_time_s)
+    issued = finished = tokens = 0
+    ks, started, rates = [], {}, []
+    start = time.perf_counter()
+    while finished < total:
+        while issued < total and issued - finished < concurrency:
+            seq = engine.add_request(prompt_ids[issued % len(prompt_ids)], params)
+            started[seq.request_id] = time.perf_counter()
+            issued += 1
+        for out in engine.step():
+            if out.finished:
+                finished += 1
+                tokens += len(out.token_ids)
+                rates.append(len(out.token_ids) / (time.perf_counter() - started.pop(out.request_id)))
+        ks.append(spec.last_k)
+    seconds = time.perf_counter() - start
+    steps, drafts, accepted, draft_s, verify_s = (
+        now - then for now, then in zip(
+            (stats.num_steps, spec.num_drafts, spec.num_accepted_tokens, spec.draft_time_s, spec.verify_time_s),
+            before))
+    rates.sort()
+    return {"output_throughput": tokens / seconds, "seconds": seconds, "tokens": tokens, "requests": total,
+            "mean_k": sum(ks) / len(ks), "steps": steps, "mean_step_ms": 1e3 * seconds / max(steps, 1),
+            "accept_length": 1 + accepted / drafts if drafts else None, "draft_s": draft_s, "verify_s": verify_s,
+            "request_tok_s": {"min": rates[0], "median": rates[len(rates) // 2], "max": rates[-1]}}
+
+
+def set_profile(engine, rates: tuple[float, ...]) -> None:
+    """Switch the engine's synthetic acceptance and make its controller learn acceptance afresh."""
+    engine.synthetic.rates = rates
+    if engine.controller is not None:
+        engine.controller.forget_acceptance()
+
+
+def sweep(args) -> dict:
+    import torch
+
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    levels = [int(x) for x in args.levels.split(",")]
+    per_level = [int(x) for x in args.requests.split(",")]
+    requests = per_level * len(levels) if len(per_level) == 1 else per_level
+    if len(requests) != len(levels):
+        raise SystemExit("--requests takes one number or one per level")
+    vocab = json.load(open(os.path.join(args.model, "config.json")))["vocab_size"]
+    prompt_ids = prompts(max(max(requests), max(levels)), args.prompt_len_min, args.prompt_len_max, vocab)
+    results = json.load(open(args.out)) if args.resume and os.path.exists(args.out) else {}
+    configs = configurations(args.draft)
+    for name in args.configs.split(","):
+        shape = "tree" if configs[name].get("speculative_eagle_topk", 1) > 1 else "chain"
+        synthetic = {} if name == "plain" else {"speculative_synthetic_acceptance_rates": PROFILES["shipped"][shape]}
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig.from_options(
+            model=args.model, load_format="dummy", device=args.device, max_num_seqs=max(levels),
+            max_model_len=args.prompt_len_max + args.max_tokens + 16, kv_cache_gb=args.kv_cache_gb,
+            kv_host_ratio=0.0, **configs[name], **synthetic))
+        startup = time.perf_counter() - t0
+        for profile in (["none"] if name == "plain" else args.profiles.split(",")):
+            key = f"{name}/{profile}"
+            if profile != "none":
+                set_profile(engine, PROFILES[profile][shape])
+            run_level(engine, args.warmup, args.warmup, args.max_tokens, prompt_ids[::-1])
+            results[key] = {"startup_s": startup, "rates": PROFILES.get(profile, {}).get(shape), "levels": {}}
+            for c, n in zip(levels, requests):
+                r = run_level(engine, c, max(n, c), args.max_tokens, prompt_ids)
+                results[key]["levels"][str(c)] = r
+                print(f"{key:20s} C={c:<4} {r['output_throughput']:9.1f} tok/s  k {r['mean_k']:.2f}  "
+                      f"step {r['mean_step_ms']:6.2f} ms  tau {r['accept_length'] or 0:.2f}", flush=True)
+                json.dump(results, open(args.out, "w"), indent=1)  # after every level: a cut run keeps its data
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def table(results: dict) -> str:
+    """Markdown: output tokens/s per level and configuration, and each one's ratio to plain."""
+    keys = list(results)
+    levels = list(next(iter(results.values()))["levels"])
+    plain = results.get("plain/none", {}).get("levels", {})
+    lines = ["| C | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for c in levels:
+        cells = []
+        for k in keys:
+            r = results[k]["levels"].get(c)
+            if r is None:
+                cells.append("")
+            elif k == "plain/none" or c not in plain:
+                cells.append(f"{r['output_throughput']:,.0f}")
+            else:
+                cells.append(f"{r['output_throughput'] / plain[c]['output_throughput']:.2f}x")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    profiles = sorted({k.split("/")[1] for k in results if not k.startswith("plain/")})
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), sharey=True, squeeze=False)
+    for ax, profile in zip(axes[0], profiles):
+        for key, res in results.items():
+            if key.endswith("/" + profile) or key == "plain/none":
+                levels = [int(c) for c in res["levels"]]
+                ax.plot(levels, [r["output_throughput"] for r in res["levels"].values()], marker="o",
+                        label=key.split("/")[0])
+        ax.set_xscale("log")
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_title(f"acceptance: {profile}")
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("output tokens/s")
+    axes[0][0].legend()
+    fig.suptitle("Llama-3.1-8B shape, dummy weights, synthetic acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,2,5,10,30,70,100,250")
+    ap.add_argument("--requests", default="30", help="requests per level: one number, or one per level")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=5, help="requests run before each configuration and profile")
+    ap.add_argument("--prompt-len-min", type=int, default=256)
+    ap.add_argument("--prompt-len-max", type=int, default=2048)
+    ap.add_argument("--configs", default="plain,chain,tree,threshold,adaptive")
+    ap.add_argument("--profiles", default="shipped,weak,strong")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default=TARGET, help="target config folder (dummy weights)")
+    ap.add_argument("--draft", default=DRAFT, help="EAGLE-3 draft config folder (dummy weights)")
+    ap.add_argument("--kv-cache-gb", type=float, default=40.0)
+    ap.add_argument("--resume", action="store_true", help="add to --out instead of starting it afresh")
+    ap.add_argument("--merge", nargs="+", help="no run: merge these result files into --out")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot")
+    args = ap.parse_args()
+    if args.merge:
+        results = {}
+        for path in args.merge:
+            results.update(json.load(open(path)))
+        json.dump(results, open(args.out, "w"), indent=1)
+    else:
+        results = sweep(args)
+    print(table(results))
+    if args.plot:
+        plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Synthetic acceptance: verification that accepts drafts at configured rates (benchmarks only).
+
+Random weights accept nothing, so no figure of speculation at a real model size could be taken without
+a real checkpoint. With `speculative_synthetic_acceptance_rates` every forward pass runs as usual; only
+the accept decision is drawn: rates[i] is the unconditional probability that the first i+1 drafts are
+all accepted (vLLM's `synthetic_acceptance_rates`), so the rates are non-increasing and one entry per
+draft depth. The emitted tokens are the accepted drafts and one target token (the target's argmax or
+sample after the last accepted node): the text is meaningless, the step costs are real.
+
+One draw per verify: u in [0, 1), accepted = #{i : u < rates[i]}, which gives P(accepted > i) = rates[i]
+exactly. u comes from a golden-ratio (Weyl) sequence with a seeded start, so the measured per-position
+rates converge as O(log n / n) instead of O(1 / sqrt(n)): a short benchmark level sees the configured
+acceptance, not a lucky draw.
+
+Trees accept along their spine: from the root, each node's first child (level order keeps the draft's
+children best first). So that the spine is the tree a drafter of these rates would build, drafts rank
+their children by synthetic scores (`child_scores`): the first child of a node at depth d has the
+conditional rate rates[d] / rates[d-1], the others share what is left. On random weights, whose draft
+distribution is nearly flat, the tree would otherwise be broad and two levels deep.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .tree import DraftTree
+from .verify import Verdict
+
+GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+class SyntheticAcceptance:
+    """Accepts drafts at configured per-position rates; see the module docstring."""
+
+    def __init__(self, rates: tuple[float, ...], seed: int = 0):
+        self.rates = rates
+        self.draws = 0
+        self._scores: dict = {}  # (rates, depth, k, device) -> child_scores, made once
+        self.start = (seed * GOLDEN + 0.5) % 1.0
+
+    def draw(self) -> int:
+        """How many drafts the next verify accepts (before the tree's own depth limits it)."""
+        u = (self.start + self.draws * GOLDEN) % 1.0
+        self.draws += 1
+        return sum(1 for r in self.rates if u < r)
+
+    def child_scores(self, depth: int, k: int, device: torch.device) -> torch.Tensor:
+        """[k] log-scores of a node's children ranked best first, for draft depth `depth` (1-based)."""
+        key = (self.rates, depth, k, str(device))
+        if key not in self._scores:
+            self._scores[key] = self._child_scores(depth, k, device)
+        return self._scores[key]
+
+    def _child_scores(self, depth: int, k: int, device) -> torch.Tensor:
+        prev = self.rates[depth - 2] if depth > 1 else 1.0
+        cond = self.rates[depth - 1] / prev if prev > 0 else 0.0
+        rest = (1.0 - cond) / (k - 1) if k > 1 else 0.0
+        scores = [math.log(max(cond, 1e-9))] + [math.log(max(rest, 1e-9)) - 1e-6 * i for i in range(1, k)]
+        return torch.tensor(scores, device=device)
+
+    def verify(self, tree: DraftTree, logits: torch.Tensor, params, generator: Optional[torch.Generator]) -> Verdict:
+        """logits [N, vocab]: the target's logits after each node; the emitted target token comes from them."""
+        from ..layers.sampler import Sampler
+
+        want = self.draw()
+        path = [0]
+        for _ in range(want):
+            children = tree.children(path[-1])
+            if not children:
+                break
+            path.append(children[0])
+        last = logits[path[-1]:path[-1] + 1]  # [1, vocab]
+        token = int(Sampler()(last, [params], [generator])[0])
+        return Verdict(path, [tree.tokens[n] for n in path[1:]] + [token])

@@ -1,0 +1,97 @@
+"""Synthetic acceptance: the engine accepts drafts at the configured per-position rates, and refuses bad ones."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.cli import add_engine_args, engine_options
+from specserve.config import ConfigError, EngineConfig
+from specserve.spec.synthetic import SyntheticAcceptance
+
+from .conftest import DEVICE, make_llm
+
+CHAIN = (0.77, 0.61, 0.53)
+TREE = (0.88, 0.70, 0.54, 0.43, 0.33)
+
+
+def test_draws_follow_the_rates():
+    synthetic = SyntheticAcceptance((0.9, 0.5, 0.5, 0.1), seed=3)
+    n = 20000
+    draws = [synthetic.draw() for _ in range(n)]
+    for i, rate in enumerate(synthetic.rates):
+        assert abs(sum(d > i for d in draws) / n - rate) < 0.002
+
+
+def test_tree_children_rank_the_spine_first():
+    scores = SyntheticAcceptance(TREE).child_scores(2, 4, "cpu")  # conditional 0.70 / 0.88 at depth 2
+    assert scores.argmax() == 0 and abs(scores[0].exp() - 0.70 / 0.88) < 1e-6
+    assert abs(scores.exp().sum() - 1) < 1e-4
+
+
+def run_synthetic(rates, batch, **spec):
+    from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
+
+    llm = make_llm(SHIPPED_TARGET, speculative_algorithm="EAGLE3", speculative_draft_model_path=SHIPPED_DRAFT,
+                   speculative_policy="always",
+                   speculative_synthetic_acceptance_rates=list(rates), **spec)
+    prompts = [[10 + i, 20 + i, 30 + i] for i in range(batch)]
+    tokens = 1200 if batch == 1 else 160
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    return llm.engine.stats.spec
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_engine_accepts_at_the_configured_rates(shape, batch):
+    rates, spec = (CHAIN, {}) if shape == "chain" else (
+        TREE, dict(speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8))
+    stats = run_synthetic(rates, batch, **spec)
+    assert stats.num_drafts >= 300
+    measured = [a / stats.num_drafts for a in stats.accepted_per_position]
+    for got, want in zip(measured, rates):
+        assert abs(got - want) < 0.02, (measured, rates)
+    assert abs(stats.mean_acceptance_length / (1 + sum(rates)) - 1) < 0.02
+
+
+def test_shorter_chains_use_the_leading_rates():
+    stats = run_synthetic(CHAIN, 4, speculative_num_steps=3)
+    assert len(stats.accepted_per_position) == 3
+    stats_k1 = run_synthetic((0.6,), 4, speculative_num_steps=1)
+    assert abs(stats_k1.accepted_per_position[0] / stats_k1.num_drafts - 0.6) < 0.02
+
+
+@pytest.mark.parametrize("rates, message", [
+    ([0.5, 0.6, 0.4], "non-increasing"),
+    ([1.2, 0.6, 0.4], r"\[0, 1\]"),
+    ([0.8, 0.6], "one per draft step"),
+    ("0.8,x,0.1", "comma-separated numbers"),
+    ([True, 0.5, 0.1], "list of numbers"),
+])
+def test_bad_rates_are_refused(rates, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_options(speculative_algorithm="EAGLE3", speculative_synthetic_acceptance_rates=rates)
+
+
+def test_rates_need_speculation(tmp_path):
+    from specserve.assets import SHIPPED_TARGET
+
+    config = EngineConfig.from_options(model=SHIPPED_TARGET, speculative_algorithm="none",
+                                       speculative_synthetic_acceptance_rates=[0.5, 0.4, 0.3])
+    with pytest.raises(ConfigError, match="without speculative decoding"):
+        config.resolve(SHIPPED_TARGET)
+
+
+def test_command_line_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-synthetic-acceptance-rates", "0.77,0.61,0.53"])
+    config = EngineConfig.from_options(**engine_options(args))
+    assert config.speculative.speculative_synthetic_acceptance_rates == CHAIN
+    assert config.flat()["speculative_synthetic_acceptance_rates"] == CHAIN
+
+
+@pytest.mark.skipif(DEVICE["name"] != "cpu", reason="the CPU default suffices: no device path differs")
+def test_off_by_default():
+    assert EngineConfig().speculative.speculative_synthetic_acceptance_rates is None
