@@ -1,0 +1,158 @@
+"""Batched verification: the draft trees of a whole step verified at once, on device tensors.
+
+The per-request functions in verify.py are the reference: for the same draft trees, target
+distributions and random numbers these return the same paths and tokens, bit for bit. Every tree of
+a batch has the same number of nodes N (node 0 the root, a parent before its children), but shapes
+may differ per row. Nothing here reads a value back to the host and nothing loops over the batch in
+Python: the walk is one pass over the node index 1..N-1, since the children of a node always come
+after it and are tested in node order.
+
+Sampling rows follow `verify_sampling` exactly, including its float64 acceptance arithmetic. Greedy
+rows take the argmax of the raw logits and need no random numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..device import to_device
+from ..layers.sampler import filtered_logits
+from ..sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class BatchVerdict:
+    accept_len: torch.Tensor  # [B] accepted drafts, 0..depth; accept_len + 1 output tokens are valid
+    path: torch.Tensor  # [B, N] accepted node indices from the root (0), then -1
+    out_tokens: torch.Tensor  # [B, N] accepted drafts, the recovered or bonus token, then -1
+
+
+def draw_verify_random(num_nodes: int, vocab: int, generators: Sequence[Optional[torch.Generator]],
+                       greedy: Sequence[bool], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers of one verify per row: uniforms [B, N] and Exp(1) noise [B, V].
+
+    A sampling row with a generator draws exactly what `verify_sampling` draws from it: torch.rand(N),
+    then exponential_ over the vocabulary, in that order, so a seeded request verifies the same way
+    batched or alone. Rows without a generator draw from the global RNG, all of them in two calls (not
+    in `verify_sampling`'s per-request order). Greedy rows leave their generator untouched; their
+    entries are unused.
+    """
+    uniforms = torch.rand(len(generators), num_nodes, device=device)  # [B, N]
+    noise = torch.empty(len(generators), vocab, device=device).exponential_()  # [B, V]
+    for i, gen in enumerate(generators):
+        if gen is not None and not greedy[i]:
+            uniforms[i] = torch.rand(num_nodes, device=device, generator=gen)
+            noise[i].exponential_(generator=gen)
+    return uniforms, noise
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """probs [B, N, V] = softmax(filtered_logits) of logits [B, N, V], one `filtered_logits` call for all
+    rows (row b with params[b]); greedy rows are filtered as if unfiltered and are not meant to be used.
+
+    As in `Sampler`, one row with top_p < 1 runs the top-p pass on every row, which in fp32 may drop
+    tail tokens (~1e-7 of the mass) from rows with top_p = 1 that `verify` filtering alone would keep."""
+    b, n, v = logits.shape
+    rows = [_GREEDY if p.greedy else p for p in params for _ in range(n)]
+    return filtered_logits(logits.reshape(b * n, v), rows).softmax(-1).view(b, n, v)
+
+
+def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor,
+                 probs: Optional[torch.Tensor] = None, uniforms: Optional[torch.Tensor] = None,
+                 noise: Optional[torch.Tensor] = None) -> BatchVerdict:
+    """Verify B draft trees of N nodes at once.
+
+    tokens [B, N] long: node tokens, column 0 the root; parents [B, N] long, -1 at the root;
+    logits [B, N, V] fp32: the target's raw logits after each node; greedy [B] bool.
+    Greedy rows accept the child whose token is the argmax of `logits` (as `verify_greedy`).
+    Sampling rows need probs [B, N, V] (the target's sampling distribution, see `sampling_probs`),
+    uniforms [B, N] and noise [B, V] (see `draw_verify_random`), and verify as `verify_sampling`:
+    the d-th child test of the walk uses uniforms[b, d]. probs may be None only if every row is greedy;
+    greedy rows ignore their probs, uniforms and noise.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    rows = torch.arange(b, device=dev)
+    argmax = logits.argmax(-1)  # [B, N]
+    par = parents.clamp(min=0)  # [B, N]
+    child_p = (tokens == argmax.gather(1, par)).double()  # [B, N] greedy: p(child) is one-hot
+    u = torch.zeros(b, n, dtype=torch.float64, device=dev)  # [B, N] greedy: accept iff p(child) > 0
+    if probs is not None:
+        v = probs.shape[-1]
+        target_p = probs.reshape(b, n * v).gather(1, par * v + tokens).double()  # [B, N] p(token | parent)
+        child_p = torch.where(greedy[:, None], child_p, target_p)
+        u = torch.where(greedy[:, None], u, uniforms.double())
+
+    node = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current node of the walk
+    remaining = torch.ones(b, dtype=torch.float64, device=dev)  # [B] mass left after rejected siblings
+    draws = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, 1] child tests so far (< N)
+    on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)  # [B, N]
+    on_path[:, 0] = True
+    rejected = torch.zeros(b, n, dtype=torch.bool, device=dev)  # [B, N] rejected children of `node`
+    for j in range(1, n):
+        test = parents[:, j] == node  # [B]
+        p = torch.where(remaining > 0, child_p[:, j] / remaining, 0.0)
+        accept = test & (u.gather(1, draws).squeeze(1) < p)
+        reject = test & ~accept
+        draws += test[:, None]
+        on_path[:, j] = accept
+        node = torch.where(accept, j, node)
+        remaining = torch.where(accept, 1.0, torch.where(reject, remaining - child_p[:, j], remaining))
+        rejected &= ~accept[:, None]
+        rejected[:, j] = reject
+
+    final = argmax[rows, node]  # [B] greedy: recovered or bonus token
+    if probs is not None:
+        hit = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)  # [B, V + 1] column V: not rejected
+        hit.scatter_(1, torch.where(rejected, tokens, v), True)
+        residual = probs[rows, node].masked_fill(hit[:, :v], 0)  # [B, V]
+        final = torch.where(greedy, final, (residual / noise).argmax(-1))
+
+    cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
+    order = torch.where(on_path, cols, n).sort(-1).values  # [B, N] path nodes ascending, then n
+    accept_len = on_path.sum(1) - 1  # [B]
+    path = order.masked_fill(order == n, -1)
+    drafts = tokens.gather(1, order.clamp(max=n - 1)).roll(-1, 1)  # [B, N] tokens of path[1:]
+    last = accept_len[:, None]
+    out_tokens = torch.where(cols < last, drafts, torch.where(cols == last, final[:, None], -1))
+    return BatchVerdict(accept_len, path, out_tokens)
+
+
+def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                        params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
+                        ) -> BatchVerdict:
+    """`verify` for a batch: row b verified with params[b] and generators[b] (None: the global RNG).
+    Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`."""
+    b, n, v = logits.shape
+    greedy_rows = [p.greedy for p in params]
+    greedy = to_device(greedy_rows, torch.bool, logits.device)
+    if all(greedy_rows):
+        return verify_batch(tokens, parents, logits, greedy)
+    uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device)
+    return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, params), uniforms, noise)
+
+
+def kv_move_slots(path: torch.Tensor, accept_len: torch.Tensor, num_computed: torch.Tensor,
+                  block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KV move for the accepted branches of all rows: src_slots, dst_slots [B * N].
+
+    The accepted node path[b, j] (j <= accept_len[b]) moves from the slot of position
+    num_computed[b] + path[b, j] to that of num_computed[b] + j. The result has a fixed size: pairs that
+    need no move (path[b, j] == j, or j past the path) are no-ops src == dst on the row's root slot,
+    which no real move reads or writes. Apply as one gather then one scatter (kv[dst] = kv[src]), or
+    pair by pair in order: a real move only reads a position later than every one written before it.
+    """
+    b, n = path.shape
+    j = torch.arange(n, device=path.device).expand(b, n)  # [B, N]
+    move = (j <= accept_len[:, None]) & (path != j)  # [B, N]
+    base = num_computed[:, None]  # [B, 1]
+
+    def slot(offset: torch.Tensor) -> torch.Tensor:  # [B, N] offsets from the root -> [B, N] slots
+        pos = base + torch.where(move, offset, 0)
+        return block_tables.gather(1, pos // block_size) * block_size + pos % block_size
+
+    return slot(path).reshape(-1), slot(j).reshape(-1)

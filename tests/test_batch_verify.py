@@ -1,0 +1,176 @@
+"""Batched verification against the per-request reference (verify.py), worked examples, and the
+distribution of the emitted token."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from specserve import SamplingParams
+from specserve.spec.batch_verify import (draw_verify_random, kv_move_slots, sampling_probs, verify_batch,
+                                         verify_batch_params)
+from specserve.spec.tree import DraftTree
+from specserve.spec.verify import verify, verify_greedy, verify_sampling
+
+from .stats import chi_square_pvalue
+
+VOCAB = 50
+PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+          SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=1.2, top_p=0.8),
+          SamplingParams(temperature=0.8, top_k=10, top_p=0.9, min_p=0.05), SamplingParams(temperature=0)]
+
+
+def random_parents(rng: random.Random, n: int) -> list[int]:
+    kind = rng.choice(["chain", "level", "any"])
+    if kind == "chain":
+        return [-1] + list(range(n - 1))
+    parents = [rng.randrange(i) for i in range(1, n)]  # a parent precedes its child
+    return [-1] + (sorted(parents) if kind == "level" else parents)
+
+
+def random_batch(rng: random.Random, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens, parents [B, N]: random tree shapes whose drafts are often likely under probs [B, N, V]."""
+    b, n, v = probs.shape
+    parents = torch.tensor([random_parents(rng, n) for _ in range(b)])  # [B, N]
+    tokens = torch.randint(v, (b, n))  # [B, N]
+    for r in range(b):
+        for i in range(1, n):
+            if rng.random() < 0.6:  # a draft the target likes
+                tokens[r, i] = int(torch.multinomial(probs[r, parents[r, i]], 1))
+    return tokens, parents
+
+
+def trees(tokens: torch.Tensor, parents: torch.Tensor) -> list[DraftTree]:
+    return [DraftTree(t, p) for t, p in zip(tokens.tolist(), parents.tolist())]
+
+
+def assert_same(batched, b: int, verdict) -> None:
+    k = len(verdict.path)
+    assert int(batched.accept_len[b]) == verdict.num_accepted
+    assert batched.path[b].tolist() == verdict.path + [-1] * (batched.path.shape[1] - k)
+    assert batched.out_tokens[b].tolist() == verdict.tokens + [-1] * (batched.path.shape[1] - k)
+
+
+def test_greedy_matches_reference_on_random_trees():
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    for _ in range(60):
+        b, n = rng.randint(1, 16), rng.randint(2, 9)
+        logits = torch.randn(b, n, VOCAB) * 3  # [B, N, V]
+        tokens, parents = random_batch(rng, logits.softmax(-1))
+        out = verify_batch(tokens, parents, logits, torch.ones(b, dtype=torch.bool))
+        for r, tree in enumerate(trees(tokens, parents)):
+            assert_same(out, r, verify_greedy(tree, logits[r].argmax(-1).tolist()))
+
+
+def test_sampling_matches_reference_fed_the_same_random_numbers():
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    accepted = 0
+    for trial in range(60):
+        b, n = rng.randint(1, 16), rng.randint(2, 9)
+        probs = (torch.randn(b, n, VOCAB) * 2.5).softmax(-1)  # [B, N, V]
+        probs[:, :, :5] = 0  # tokens the target never says, drafted now and then
+        probs /= probs.sum(-1, keepdim=True)
+        tokens, parents = random_batch(rng, probs)
+        seeds = [1000 * trial + r for r in range(b)]
+        greedy = [False] * b
+        uniforms, noise = draw_verify_random(n, VOCAB, [torch.Generator().manual_seed(s) for s in seeds], greedy, "cpu")
+        out = verify_batch(tokens, parents, probs.log(), torch.zeros(b, dtype=torch.bool), probs, uniforms, noise)
+        for r, tree in enumerate(trees(tokens, parents)):
+            assert_same(out, r, verify_sampling(tree, probs[r], torch.Generator().manual_seed(seeds[r])))
+        accepted += int(out.accept_len.sum())
+    assert accepted > 100, "drafts must be accepted for the comparison to mean anything"
+
+
+def test_mixed_greedy_and_filtered_sampling_rows_match_verify():
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    for trial in range(40):
+        b, n = rng.randint(1, 16), rng.randint(2, 9)
+        logits = torch.randn(b, n, VOCAB) * 3  # [B, N, V]
+        params = [rng.choice(PARAMS) for _ in range(b)]
+        tokens, parents = random_batch(rng, sampling_probs(logits, params))
+        seeds = [rng.randrange(1 << 30) if rng.random() < 0.8 else None for _ in range(b)]
+        seeds = [s if s is not None or p.greedy else 7 for s, p in zip(seeds, params)]  # sampling rows seeded
+        gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+        out = verify_batch_params(tokens, parents, logits, params, gens)
+        for r, tree in enumerate(trees(tokens, parents)):
+            ref_gen = None if seeds[r] is None else torch.Generator().manual_seed(seeds[r])
+            assert_same(out, r, verify(tree, logits[r], params[r], ref_gen))
+            if ref_gen is not None:  # the same draws taken (none for greedy rows)
+                assert torch.equal(gens[r].get_state(), ref_gen.get_state())
+
+
+def test_worked_examples():
+    #     root(5)             chain: root(5) -> n1:1 -> n2:2 -> n3:3
+    #    /       \
+    # n1:1       n2:2
+    #   |
+    # n3:3
+    tokens = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3]])
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
+    probs = torch.zeros(2, 4, 8)
+    probs[0, 0, 1:4] = torch.tensor([0.5, 0.3, 0.2])  # tree, after root
+    probs[0, 2, 4:6] = torch.tensor([0.6, 0.4])  # tree, after n2
+    probs[1, 0, 1], probs[1, 0, 6] = 0.9, 0.1  # chain, after root
+    probs[1, 1, 2], probs[1, 1, 3] = 0.25, 0.75  # chain, after n1
+    uniforms = torch.tensor([[0.7, 0.5, 0.0, 0.0], [0.3, 0.6, 0.0, 0.0]])
+    noise = torch.ones(2, 8)
+    noise[0, 4] = 2.0  # 0.6 / 2 < 0.4 / 1: token 5
+    out = verify_batch(tokens, parents, probs.log(), torch.tensor([False, False]), probs, uniforms, noise)
+    # tree: n1 rejected (0.7 >= 0.5), n2 accepted (0.5 < 0.3 / (1 - 0.5)), then the bonus token 5 after n2
+    # chain: n1 accepted (0.3 < 0.9), n2 rejected (0.6 >= 0.25), recovered from what is left after n1: 3
+    assert out.accept_len.tolist() == [1, 1]
+    assert out.path.tolist() == [[0, 2, -1, -1], [0, 1, -1, -1]]
+    assert out.out_tokens.tolist() == [[2, 5, -1, -1], [1, 3, -1, -1]]
+    # greedy on test_acceptance's tree: after root the target says 2, after n2 6, after n5 0
+    logits = torch.nn.functional.one_hot(torch.tensor([[2, 9, 6, 9, 9, 0]]), 10).float()
+    out = verify_batch(torch.tensor([[5, 1, 2, 3, 4, 6]]), torch.tensor([[-1, 0, 0, 1, 1, 2]]), logits,
+                       torch.tensor([True]))
+    assert out.path.tolist() == [[0, 2, 5, -1, -1, -1]] and out.out_tokens.tolist() == [[2, 6, 0, -1, -1, -1]]
+
+
+def test_emitted_tokens_follow_the_target_distribution():
+    # root with three children (1, 2, 3), n1 with children 4 and 1: the drafts hold most of the mass
+    b, v = 20000, 6
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 1]]).expand(b, 6)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 1]]).expand(b, 6)
+    root_p = torch.tensor([0.05, 0.3, 0.25, 0.1, 0.2, 0.1])
+    n1_p = torch.tensor([0.1, 0.2, 0.15, 0.05, 0.4, 0.1])
+    probs = torch.ones(b, 6, v) / v
+    probs[:, 0], probs[:, 1] = root_p, n1_p
+    torch.manual_seed(3)
+    uniforms, noise = draw_verify_random(6, v, [None] * b, [False] * b, "cpu")
+    out = verify_batch(tokens, parents, probs.log(), torch.zeros(b, dtype=torch.bool), probs, uniforms, noise)
+    first = out.out_tokens[:, 0]
+    assert chi_square_pvalue(torch.bincount(first, minlength=v), root_p) > 1e-3
+    assert chi_square_pvalue(torch.bincount(first, minlength=v), (root_p + 0.05) / 1.3) < 1e-4  # power
+    second = out.out_tokens[first == 1, 1]  # first token 1 means n1 was accepted
+    assert chi_square_pvalue(torch.bincount(second, minlength=v), n1_p) > 1e-3
+
+
+def test_kv_move_slots_matches_per_row_moves():
+    rng = random.Random(4)
+    for _ in range(30):
+        b, n, block_size, max_blocks = rng.randint(1, 16), rng.randint(2, 9), rng.choice([1, 2, 4, 16]), 12
+        accept_len = torch.tensor([rng.randint(0, n - 1) for _ in range(b)])  # [B]
+        path = torch.full((b, n), -1)  # [B, N]
+        for r in range(b):
+            path[r, :accept_len[r] + 1] = torch.tensor([0] + sorted(rng.sample(range(1, n), int(accept_len[r]))))
+        num_computed = torch.tensor([rng.randint(0, max_blocks * block_size - n) for _ in range(b)])  # [B]
+        block_tables = torch.randperm(200)[:b * max_blocks].view(b, max_blocks)  # [B, max_blocks] disjoint
+        src, dst = kv_move_slots(path, accept_len, num_computed, block_tables, block_size)
+        kv = torch.randn(200 * block_size)
+        expected = kv.clone()
+        moves = []
+        for r in range(b):
+            table, base = block_tables[r].tolist(), int(num_computed[r])
+            slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
+            for j, node in enumerate(path[r, :accept_len[r] + 1].tolist()):
+                if node != j:
+                    moves.append((slot(base + node), slot(base + j)))
+                    expected[slot(base + j)] = kv[slot(base + node)]
+        assert sorted((s, d) for s, d in zip(src.tolist(), dst.tolist()) if s != d) == sorted(moves)
+        kv[dst] = kv[src]
+        assert torch.equal(kv, expected)
