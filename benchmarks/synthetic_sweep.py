@@ -9,7 +9,8 @@ accepted at synthetic rates (`speculative_synthetic_acceptance_rates`; random we
 For each configuration (plain, a chain of 3 speculating every step, the default tree speculating every
 step, the threshold policy at SGLang's batch threshold, and the adaptive controller) and each acceptance
 profile, one engine keeps C requests in flight (closed loop) until max(requests, C) have finished, at
-every level C; output tokens/s per level. Prompts are random token ids of log-uniform length between
+every level C; output tokens/s per level. The prefix cache is off unless `--prefix-caching`: the levels
+reuse one prompt list, so with it on, later levels and profiles would skip prefills earlier ones paid. Prompts are random token ids of log-uniform length between
 --prompt-len-min and --prompt-len-max (default 256-2048, median ~720: coding and agent prompts), the same
 for every configuration; 200 greedy tokens each, EOS ignored. `--requests` may be one number or one per
 level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once per
@@ -125,10 +126,12 @@ def sweep(args) -> dict:
         engine = LLMEngine(EngineConfig.from_options(
             model=args.model, load_format="dummy", device=args.device, max_num_seqs=max(levels),
             max_model_len=args.prompt_len_max + args.max_tokens + 16, kv_cache_gb=args.kv_cache_gb,
-            kv_host_ratio=0.0, **configs[name], **synthetic))
+            kv_host_ratio=0.0, enable_prefix_caching=args.prefix_caching, **configs[name], **synthetic))
         startup = time.perf_counter() - t0
-        for profile in (["none"] if name == "plain" else args.profiles.split(",")):
-            key = f"{name}/{profile}"
+        runs = [(p, n) for p in (["none"] if name == "plain" else args.profiles.split(","))
+                for n in range(1, args.passes + 1)]
+        for profile, n in runs:
+            key = f"{name}/{profile}" + (f"@pass{n}" if n > 1 else "")
             if profile != "none":
                 set_profile(engine, PROFILES[profile][shape])
             run_level(engine, args.warmup, args.warmup, args.max_tokens, prompt_ids[::-1])
@@ -175,10 +178,11 @@ def plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), sharey=True, squeeze=False)
     for ax, profile in zip(axes[0], profiles):
         for key, res in results.items():
-            if key.endswith("/" + profile) or key == "plain/none":
+            if key.split("/")[1] == profile or key.startswith("plain/"):
                 levels = [int(c) for c in res["levels"]]
                 ax.plot(levels, [r["output_throughput"] for r in res["levels"].values()], marker="o",
-                        label=key.split("/")[0])
+                        label=key.split("/")[0] + key.partition("@")[1] + key.partition("@")[2],
+                        linestyle="--" if key.startswith("plain/") else "-")
         ax.set_xscale("log")
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_title(f"acceptance: {profile}")
@@ -205,6 +209,10 @@ def main() -> None:
     ap.add_argument("--model", default=TARGET, help="target config folder (dummy weights)")
     ap.add_argument("--draft", default=DRAFT, help="EAGLE-3 draft config folder (dummy weights)")
     ap.add_argument("--kv-cache-gb", type=float, default=40.0)
+    ap.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep the engine's prefix cache on: levels and profiles after the first then skip the "
+                         "prefill of prompts they share with earlier ones (off: every request prefills)")
+    ap.add_argument("--passes", type=int, default=1, help="run each configuration's levels this many times")
     ap.add_argument("--resume", action="store_true", help="add to --out instead of starting it afresh")
     ap.add_argument("--merge", nargs="+", help="no run: merge these result files into --out")
     ap.add_argument("--out", required=True)
