@@ -82,3 +82,29 @@ def test_select_tree_keeps_best_by_cumulative_score():
     parents = torch.tensor([-1, -1, 0, 0, 1])
     tree = select_tree(99, tokens, scores, parents, num_nodes=4)
     assert tree.tokens == [99, 10, 11, 12] and tree.parents == [-1, 0, 0, 1]
+
+
+def test_batched_selection_equals_per_request_selection():
+    from specserve.spec.tree import select_trees
+
+    gen = torch.Generator().manual_seed(0)
+    k, steps, batch = 3, 3, 12
+    sizes = [k] + [k * k] * (steps - 1)
+    depths = torch.tensor([d + 1 for d, size in enumerate(sizes) for _ in range(size)])
+    parents = [torch.full((batch, k), -1)]
+    for d, size in enumerate(sizes[1:]):  # children of k nodes expanded among the previous level
+        offset = sum(sizes[:d])
+        parents.append(offset + torch.randint(0, sizes[d], (batch, k)).repeat_interleave(k, 1))
+    parents = torch.cat(parents, 1)
+    tokens = torch.randint(0, 50, (batch, len(depths)), generator=gen)
+    step = torch.randint(-3, 1, (batch, len(depths)), generator=gen).float()  # many ties
+    scores = step.clone()
+    for c in range(k, len(depths)):  # cumulative: a child never scores above its parent
+        scores[:, c] += scores.gather(1, parents[:, c:c + 1]).squeeze(1)
+    for num_nodes in (2, 5, 8):
+        trees = select_trees(list(range(batch)), tokens, scores, parents, depths, num_nodes)
+        for b, tree in enumerate(trees):
+            want = select_tree(b, tokens[b], scores[b], parents[b], num_nodes)
+            assert (tree.tokens, tree.parents) == (want.tokens, want.parents)
+            assert tree.depth == DraftTree(want.tokens, want.parents).depths()
+            assert torch.equal(tree.ancestor_mask(), DraftTree(want.tokens, want.parents).ancestor_mask())

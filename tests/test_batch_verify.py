@@ -7,7 +7,7 @@ import random
 import torch
 
 from specserve import SamplingParams
-from specserve.spec.batch_verify import (draw_verify_random, kv_move_slots, sampling_probs, verify_batch,
+from specserve.spec.batch_verify import (draw_verify_random, sampling_probs, verify_batch,
                                          verify_batch_params)
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import verify, verify_greedy, verify_sampling
@@ -148,29 +148,3 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(torch.bincount(first, minlength=v), (root_p + 0.05) / 1.3) < 1e-4  # power
     second = out.out_tokens[first == 1, 1]  # first token 1 means n1 was accepted
     assert chi_square_pvalue(torch.bincount(second, minlength=v), n1_p) > 1e-3
-
-
-def test_kv_move_slots_matches_per_row_moves():
-    rng = random.Random(4)
-    for _ in range(30):
-        b, n, block_size, max_blocks = rng.randint(1, 16), rng.randint(2, 9), rng.choice([1, 2, 4, 16]), 12
-        accept_len = torch.tensor([rng.randint(0, n - 1) for _ in range(b)])  # [B]
-        path = torch.full((b, n), -1)  # [B, N]
-        for r in range(b):
-            path[r, :accept_len[r] + 1] = torch.tensor([0] + sorted(rng.sample(range(1, n), int(accept_len[r]))))
-        num_computed = torch.tensor([rng.randint(0, max_blocks * block_size - n) for _ in range(b)])  # [B]
-        block_tables = torch.randperm(200)[:b * max_blocks].view(b, max_blocks)  # [B, max_blocks] disjoint
-        src, dst = kv_move_slots(path, accept_len, num_computed, block_tables, block_size)
-        kv = torch.randn(200 * block_size)
-        expected = kv.clone()
-        moves = []
-        for r in range(b):
-            table, base = block_tables[r].tolist(), int(num_computed[r])
-            slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
-            for j, node in enumerate(path[r, :accept_len[r] + 1].tolist()):
-                if node != j:
-                    moves.append((slot(base + node), slot(base + j)))
-                    expected[slot(base + j)] = kv[slot(base + node)]
-        assert sorted((s, d) for s, d in zip(src.tolist(), dst.tolist()) if s != d) == sorted(moves)
-        kv[dst] = kv[src]
-        assert torch.equal(kv, expected)

@@ -18,7 +18,8 @@ from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from ..spec import make_proposer, make_synthetic
 from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
-from ..spec.verify import verify
+from ..spec.batch_verify import verify_drafts
+from ..spec.verify import Verdict
 from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
@@ -303,8 +304,9 @@ class LLMEngine:
 
     @staticmethod
     def _sampling_logits(out: ForwardOutput, items: list[int]) -> torch.Tensor:
-        """[len(items), vocab]: the logits row of each of these batch items (a view when contiguous)."""
-        rows = [out.rows[i][0] for i in items]
+        """[rows, vocab]: the logits rows of these batch items, in order (a view when contiguous): one
+        per sampling item, one per node of a draft."""
+        rows = [r for i in items for r in out.rows[i]]
         if rows == list(range(rows[0], rows[0] + len(rows))):
             return out.logits[rows[0]:rows[0] + len(rows)]
         return out.logits[to_device(rows, torch.long, out.logits.device)]
@@ -313,13 +315,18 @@ class LLMEngine:
         plain = [i for i, item in enumerate(batch) if item.draft is None and item.samples]
         sampled = dict(zip(plain, self.runner.sample(self._sampling_logits(out, plain),
                                                      [batch[i].seq for i in plain]))) if plain else {}
+        drafted = [i for i, item in enumerate(batch) if item.draft is not None]
+        verdicts = self._verify(batch, drafted, out) if drafted else {}
         outputs, finished, committed = [], [], []
         for i, item in enumerate(batch):
             seq = item.seq
             self._count_prompt(item)
             if item.draft is not None:
-                tokens, logprobs, entry = self._accept(item, out, i)
-                committed.append(entry)
+                verdict, logprobs = verdicts[i]
+                committed.append(self._commit(seq, verdict.path, out, i))
+                self.stats.spec.record(item.draft.num_drafts, verdict.num_accepted)
+                self.controller.record_verify(self.shape, verdict.num_accepted)
+                tokens = verdict.tokens
             else:
                 committed.append(self._commit(seq, range(item.num_tokens), out, i))
                 if i not in sampled:
@@ -362,24 +369,40 @@ class LLMEngine:
         if self.proposer is not None and committed:
             self.proposer.observe(out.aux, committed)
 
-    def _accept(self, item: ScheduledSeq, out: ForwardOutput, i: int):
-        """Verify the item's draft: (tokens gained, their logprobs or None, the rows committed)."""
-        seq, tree = item.seq, item.draft
-        logits = out.logits[out.rows[i].start:out.rows[i].stop]  # [N, vocab]
-        check = self.synthetic.verify if self.synthetic is not None else verify
-        verdict = check(tree, logits, seq.params, seq.generator)
-        n = seq.num_computed_tokens
-        if verdict.path != list(range(len(verdict.path))):  # a tree branch: move its KV into place
-            self.runner.move_kv(seq, [n + p for p in verdict.path], [n + j for j in range(len(verdict.path))])
-        committed = self._commit(seq, verdict.path, out, i)
-        self.stats.spec.record(tree.num_drafts, verdict.num_accepted)
-        self.controller.record_verify(self.shape, verdict.num_accepted)
-        tokens = verdict.tokens
-        logprobs = None
-        if seq.params.logprobs is not None:
-            rows = logits[verdict.path]
-            logprobs = self.runner.logprobs(rows, torch.tensor(tokens, device=rows.device), [seq] * len(tokens))
-        return tokens, logprobs, committed
+    def _verify(self, batch: list[ScheduledSeq], drafted: list[int], out: ForwardOutput) -> dict:
+        """Verify every draft of the step at once and move the accepted tree branches' KV into place
+        (one copy); per batch index: (its verdict, the logprobs of its tokens or None)."""
+        seqs = [batch[i].seq for i in drafted]
+        n = batch[drafted[0]].draft.size
+        logits = self._sampling_logits(out, drafted).view(len(drafted), n, -1)  # [B, N, vocab]
+        check = self.synthetic.verify_batch if self.synthetic is not None else None
+        verdicts = verify_drafts([batch[i].draft for i in drafted], logits, [s.params for s in seqs],
+                                 [s.generator for s in seqs], check)
+        moves = [(s, [s.num_computed_tokens + p for p in v.path], range(s.num_computed_tokens,
+                                                                         s.num_computed_tokens + len(v.path)))
+                 for s, v in zip(seqs, verdicts) if v.path != list(range(len(v.path)))]
+        if moves:
+            self.runner.move_kv(moves)
+        return dict(zip(drafted, zip(verdicts, self._draft_logprobs(seqs, verdicts, logits.flatten(0, 1)))))
+
+    def _draft_logprobs(self, seqs: list[Sequence], verdicts: list[Verdict], logits: torch.Tensor) -> list:
+        """Per sequence, the logprobs of its verdict's tokens (None unless it asked), from logits
+        [B * N, vocab] in one call for the batch."""
+        asked = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
+        result: list = [None] * len(seqs)
+        if not asked:
+            return result
+        n = logits.shape[0] // len(seqs)
+        rows = [k * n + p for k in asked for p in verdicts[k].path]
+        tokens = [t for k in asked for t in verdicts[k].tokens]
+        flat = self.runner.logprobs(logits[to_device(rows, torch.long, logits.device)],
+                                    to_device(tokens, torch.long, logits.device),
+                                    [seqs[k] for k in asked for _ in verdicts[k].tokens])
+        start = 0
+        for k in asked:
+            result[k] = flat[start:start + len(verdicts[k].tokens)]
+            start += len(verdicts[k].tokens)
+        return result
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()

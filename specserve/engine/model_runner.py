@@ -244,10 +244,13 @@ class ModelRunner:
         return [None if w is None else TokenLogprob(chosen[i], list(zip(top_ids[i][:w], top_lp[i][:w])))
                 for i, w in enumerate(wanted)]
 
-    def move_kv(self, seq: Sequence, src: list[int], dst: list[int]) -> None:
-        """Copy the KV of seq's token indices src to indices dst, in every layer (tree compaction)."""
-        slot = lambda i: seq.block_table[i // self.block_size] * self.block_size + i % self.block_size  # noqa: E731
-        self._everywhere("copy_slots", [slot(i) for i in src], [slot(i) for i in dst])
+    def move_kv(self, moves: list[tuple[Sequence, list[int], "range | list[int]"]]) -> None:
+        """Copy the KV of each (seq, token indices src, token indices dst) from src to dst, in every layer,
+        all in one copy (tree compaction after a verify)."""
+        bs = self.block_size
+        src = [seq.block_table[i // bs] * bs + i % bs for seq, s, _ in moves for i in s]
+        dst = [seq.block_table[i // bs] * bs + i % bs for seq, _, d in moves for i in d]
+        self._everywhere("copy_slots", src, dst)
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         s, d = self._ids(src), self._ids(dst)

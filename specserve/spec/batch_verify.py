@@ -20,6 +20,8 @@ import torch
 from ..device import to_device
 from ..layers.sampler import filtered_logits
 from ..sampling_params import SamplingParams
+from .tree import DraftTree
+from .verify import Verdict
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -112,7 +114,14 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
         residual = probs[rows, node].masked_fill(hit[:, :v], 0)  # [B, V]
         final = torch.where(greedy, final, (residual / noise).argmax(-1))
 
-    cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
+    return path_verdict(tokens, on_path, final)
+
+
+def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tensor) -> BatchVerdict:
+    """The verdict of accepted nodes on_path [B, N] (a root-to-node path per row) whose last node is
+    followed by the target token final [B]."""
+    b, n = tokens.shape
+    cols = torch.arange(n, device=tokens.device).expand(b, n)  # [B, N]
     order = torch.where(on_path, cols, n).sort(-1).values  # [B, N] path nodes ascending, then n
     accept_len = on_path.sum(1) - 1  # [B]
     path = order.masked_fill(order == n, -1)
@@ -136,23 +145,19 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
     return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, params), uniforms, noise)
 
 
-def kv_move_slots(path: torch.Tensor, accept_len: torch.Tensor, num_computed: torch.Tensor,
-                  block_tables: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One KV move for the accepted branches of all rows: src_slots, dst_slots [B * N].
-
-    The accepted node path[b, j] (j <= accept_len[b]) moves from the slot of position
-    num_computed[b] + path[b, j] to that of num_computed[b] + j. The result has a fixed size: pairs that
-    need no move (path[b, j] == j, or j past the path) are no-ops src == dst on the row's root slot,
-    which no real move reads or writes. Apply as one gather then one scatter (kv[dst] = kv[src]), or
-    pair by pair in order: a real move only reads a position later than every one written before it.
-    """
-    b, n = path.shape
-    j = torch.arange(n, device=path.device).expand(b, n)  # [B, N]
-    move = (j <= accept_len[:, None]) & (path != j)  # [B, N]
-    base = num_computed[:, None]  # [B, 1]
-
-    def slot(offset: torch.Tensor) -> torch.Tensor:  # [B, N] offsets from the root -> [B, N] slots
-        pos = base + torch.where(move, offset, 0)
-        return block_tables.gather(1, pos // block_size) * block_size + pos % block_size
-
-    return slot(path).reshape(-1), slot(j).reshape(-1)
+def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequence[SamplingParams],
+                  generators: Sequence[Optional[torch.Generator]], verifier=None) -> list[Verdict]:
+    """Verify a step's draft trees (all of N nodes) against logits [B, N, V]: one verify for the batch
+    and one read of its result to the host. verifier: a function with `verify_batch_params`' signature
+    (default: that one; synthetic acceptance passes its own)."""
+    device = logits.device
+    tokens = to_device([t.tokens for t in trees], torch.long, device)  # [B, N]
+    parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
+    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators)
+    rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync
+    n = tokens.shape[1]
+    out = []
+    for row in rows:
+        path = [x for x in row[:n] if x >= 0]
+        out.append(Verdict(path, row[n:n + len(path)]))
+    return out

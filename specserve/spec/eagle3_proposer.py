@@ -27,7 +27,7 @@ from .eagle3 import Eagle3Draft, load_eagle3
 from .controller import Shape
 from .proposer import Proposer
 from .synthetic import SyntheticAcceptance
-from .tree import DraftTree, select_tree
+from .tree import DraftTree, select_trees
 
 
 @dataclass
@@ -146,9 +146,10 @@ class Eagle3Proposer(Proposer):
             prev = ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1]))
             ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)], dim=2)
             expanded = offset + pick
-        all_tokens, all_scores, all_parents = (torch.cat(x, 1).cpu() for x in (cand_tokens, cand_scores, cand_parents))
-        return [select_tree(s.token_ids[-1], all_tokens[b], all_scores[b], all_parents[b], shape.num_nodes)
-                for b, s in enumerate(seqs)]
+        depths = self._ids([d + 1 for d, t in enumerate(cand_tokens) for _ in range(t.shape[1])])  # [C]
+        tokens, scores, parents = (torch.cat(x, 1) for x in (cand_tokens, cand_scores, cand_parents))
+        return select_trees([s.token_ids[-1] for s in seqs], tokens, scores, parents, depths, shape.num_nodes,
+                            masks=k > 1)
 
     @torch.inference_mode()
     def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:

@@ -21,12 +21,11 @@ distribution is nearly flat, the tree would otherwise be broad and two levels de
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
-from .tree import DraftTree
-from .verify import Verdict
+from ..device import to_device
+from .batch_verify import BatchVerdict, path_verdict
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -60,17 +59,24 @@ class SyntheticAcceptance:
         scores = [math.log(max(cond, 1e-9))] + [math.log(max(rest, 1e-9)) - 1e-6 * i for i in range(1, k)]
         return torch.tensor(scores, device=device)
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, params, generator: Optional[torch.Generator]) -> Verdict:
-        """logits [N, vocab]: the target's logits after each node; the emitted target token comes from them."""
+    def verify_batch(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, params,
+                     generators) -> BatchVerdict:
+        """`verify_batch_params`' contract: tokens, parents [B, N]; logits [B, N, V]. Row b accepts the
+        first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
 
-        want = self.draw()
-        path = [0]
-        for _ in range(want):
-            children = tree.children(path[-1])
-            if not children:
-                break
-            path.append(children[0])
-        last = logits[path[-1]:path[-1] + 1]  # [1, vocab]
-        token = int(Sampler()(last, [params], [generator])[0])
-        return Verdict(path, [tree.tokens[n] for n in path[1:]] + [token])
+        b, n = tokens.shape
+        dev = tokens.device
+        want = to_device([self.draw() for _ in range(b)], torch.long, dev)  # [B]
+        cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
+        first_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
+        first_child.scatter_reduce_(1, torch.where(cols > 0, parents, n), cols, "amin")
+        node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]
+        on_path = cols == 0  # [B, N]
+        for depth in range(n - 1):
+            nxt = first_child.gather(1, node[:, None]).squeeze(1)  # [B]
+            step = (depth < want) & (nxt < n)
+            node = torch.where(step, nxt, node)
+            on_path = on_path | (step[:, None] & (cols == node[:, None]))
+        final = Sampler()(logits[torch.arange(b, device=dev), node], params, generators)  # [B]
+        return path_verdict(tokens, on_path, final)

@@ -6,7 +6,8 @@ i has parent i-1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -15,6 +16,8 @@ import torch
 class DraftTree:
     tokens: list[int]  # [N] target token ids; tokens[0] is the root
     parents: list[int]  # [N] parent node index; parents[0] = -1
+    depth: Optional[list[int]] = field(default=None, repr=False)  # [N], when known from the selection
+    mask: Optional[torch.Tensor] = field(default=None, repr=False)  # [N, N] bool, when selected on a device
 
     @classmethod
     def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
@@ -33,6 +36,8 @@ class DraftTree:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def depths(self) -> list[int]:
+        if self.depth is not None:
+            return self.depth
         depth = [0] * self.size
         for i in range(1, self.size):
             depth[i] = depth[self.parents[i]] + 1
@@ -43,6 +48,8 @@ class DraftTree:
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
+        if self.mask is not None:
+            return self.mask
         mask = torch.eye(self.size, dtype=torch.bool)
         for i in range(1, self.size):
             mask[i] |= mask[self.parents[i]]
@@ -66,3 +73,25 @@ def select_tree(root: int, cand_tokens: torch.Tensor, cand_scores: torch.Tensor,
         tokens.append(cand_tokens[c])
         parents.append(0 if cand_parents[c] < 0 else index[cand_parents[c]])
     return DraftTree(tokens, parents)
+
+
+def select_trees(roots: list[int], cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor,
+                 cand_depths: torch.Tensor, num_nodes: int, masks: bool = True) -> list[DraftTree]:
+    """`select_tree` for a batch, on the candidates' device with one read to the host: cand_* [B, C]
+    (cand_depths [C], the draft depth of each candidate), roots [B]. Each tree carries its depths and,
+    with `masks`, its ancestor mask on the device (chains need none)."""
+    b, c = cand_tokens.shape
+    dev = cand_tokens.device
+    keep = torch.sort(-cand_scores, dim=1, stable=True).indices[:, :num_nodes - 1].sort(1).values  # [B, N-1]
+    node_of = torch.zeros(b, c, dtype=torch.long, device=dev)  # [B, C] node index of each kept candidate
+    node_of.scatter_(1, keep, torch.arange(1, num_nodes, device=dev).expand(b, -1))
+    kept_parents = cand_parents.gather(1, keep)  # [B, N-1] candidate index, -1 = root
+    parents = torch.where(kept_parents < 0, 0, node_of.gather(1, kept_parents.clamp(min=0)))  # [B, N-1]
+    mask = torch.eye(num_nodes, dtype=torch.bool, device=dev).repeat(b, 1, 1) if masks else None  # [B, N, N]
+    rows = torch.arange(b, device=dev)
+    for i in range(1, num_nodes if masks else 1):  # a parent precedes its child
+        mask[:, i] |= mask[rows, parents[:, i - 1]]
+    host = torch.cat([cand_tokens.gather(1, keep), parents, cand_depths[keep]], 1).tolist()  # [B, 3(N-1)]
+    n = num_nodes - 1
+    return [DraftTree([root] + row[:n], [-1] + row[n:2 * n], [0] + row[2 * n:], mask[i] if masks else None)
+            for i, (root, row) in enumerate(zip(roots, host))]
