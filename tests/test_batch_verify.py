@@ -7,7 +7,7 @@ import random
 import torch
 
 from specserve import SamplingParams
-from specserve.spec.batch_verify import (draw_verify_random, sampling_probs, verify_batch,
+from specserve.spec.batch_verify import (draw_verify_random, sampling_probs, verify_batch, verify_greedy_chains,
                                          verify_batch_params)
 from specserve.spec.tree import DraftTree
 from specserve.spec.verify import verify, verify_greedy, verify_sampling
@@ -148,3 +148,17 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(torch.bincount(first, minlength=v), (root_p + 0.05) / 1.3) < 1e-4  # power
     second = out.out_tokens[first == 1, 1]  # first token 1 means n1 was accepted
     assert chi_square_pvalue(torch.bincount(second, minlength=v), n1_p) > 1e-3
+
+
+def test_greedy_chains_without_the_walk():
+    gen = torch.Generator().manual_seed(7)
+    for n in (2, 4, 6):
+        b = 16
+        tokens = torch.randint(0, 4, (b, n), generator=gen)  # a small vocabulary: many drafts accepted
+        logits = torch.randn(b, n, 4, generator=gen)
+        parents = torch.arange(-1, n - 1).expand(b, n)
+        fast = verify_greedy_chains(tokens, logits)
+        walk = verify_batch(tokens, parents, logits, torch.ones(b, dtype=torch.bool))
+        for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
+            assert torch.equal(a, w)
+        assert 0 < int(fast.accept_len.sum()) < b * (n - 1)

@@ -131,13 +131,26 @@ def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tenso
     return BatchVerdict(accept_len, path, out_tokens)
 
 
+def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor) -> BatchVerdict:
+    """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
+    the accepted drafts are the leading ones that equal the target's argmax after their parent."""
+    argmax = logits.argmax(-1)  # [B, N]
+    match = (tokens[:, 1:] == argmax[:, :-1]).long().cumprod(1).bool()  # [B, N-1] accepted drafts
+    on_path = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # [B, N]
+    final = argmax.gather(1, match.sum(1, keepdim=True)).squeeze(1)  # [B] at the last accepted node
+    return path_verdict(tokens, on_path, final)
+
+
 def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
-                        params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]]
-                        ) -> BatchVerdict:
+                        params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
+                        chains: bool = False) -> BatchVerdict:
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: the global RNG).
-    Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`."""
+    Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
+    chains: every tree is a chain (greedy batches then skip the walk)."""
     b, n, v = logits.shape
     greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows) and chains:
+        return verify_greedy_chains(tokens, logits)
     greedy = to_device(greedy_rows, torch.bool, logits.device)
     if all(greedy_rows):
         return verify_batch(tokens, parents, logits, greedy)
@@ -153,7 +166,8 @@ def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequ
     device = logits.device
     tokens = to_device([t.tokens for t in trees], torch.long, device)  # [B, N]
     parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
-    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators)
+    chains = all(t.is_chain for t in trees)
+    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains)
     rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync
     n = tokens.shape[1]
     out = []

@@ -60,7 +60,7 @@ class SyntheticAcceptance:
         return torch.tensor(scores, device=device)
 
     def verify_batch(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, params,
-                     generators) -> BatchVerdict:
+                     generators, chains: bool = False) -> BatchVerdict:
         """`verify_batch_params`' contract: tokens, parents [B, N]; logits [B, N, V]. Row b accepts the
         first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
