@@ -80,8 +80,8 @@ def run(engine: LLMEngine, system: list[int], messages, args) -> dict:
     if engine.blocks.host is not None:
         timed(engine.blocks.host.pool, "save", seconds)
         timed(engine.blocks.host.pool, "load", seconds)
-    if engine.proposer is not None:
-        timed(engine.proposer, "flush", seconds)
+    if engine.spec is not None:
+        timed(engine.spec.proposer, "flush", seconds)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     history = [list(system) for _ in messages]
     queue = [(s, t) for t in range(args.turns) for s in range(len(messages))]  # round-robin over sessions
@@ -201,7 +201,8 @@ def fresh_cache(engine: LLMEngine) -> LLMEngine:
     from specserve.engine.stats import EngineStats
 
     assert not engine.has_unfinished()
-    engine.blocks = engine.scheduler.blocks = make_block_manager(engine.config.cache, engine.runner, engine.proposer)
+    engine.blocks = engine.scheduler.blocks = make_block_manager(engine.config.cache, engine.runner,
+                                                                     engine.spec.proposer if engine.spec else None)
     engine.stats = EngineStats(prefix_cache=engine.blocks.stats)
     engine.scheduler.num_preemptions = 0
     return engine

@@ -75,7 +75,7 @@ def main() -> None:
     for name, pairs in rows.items():
         print(f"| {name} | {1000 * statistics.median(p[0] for p in pairs):.1f} | "
               f"{1000 * statistics.median(p[1] for p in pairs):.1f} |")
-    runner, proposer, bs = cached.runner, cached.proposer, cached.config.cache.block_size
+    runner, proposer, bs = cached.runner, cached.spec.proposer, cached.config.cache.block_size
     target_kv = runner.kv_cache[:, :, :bs].numel()
     draft_kv = proposer.kv_cache[:, :bs].numel()
     feature = proposer.block_features.shape[1]

@@ -37,7 +37,7 @@ PROMPTS = [
 ]
 
 
-def configurations(draft: str) -> dict[str, dict]:
+def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
     return {
         "plain": dict(speculative_algorithm="none"),
@@ -45,7 +45,7 @@ def configurations(draft: str) -> dict[str, dict]:
         "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                      speculative_policy="always"),
         "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
-                          speculative_disable_batch_threshold=8),
+                          speculative_disable_batch_threshold=threshold),
         "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
         "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",

@@ -46,16 +46,10 @@ DRAFT = os.path.join(HERE, "configs", "llama-3.1-8b-eagle3")
 
 
 def configurations(draft: str) -> dict[str, dict]:
-    spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
-    return {
-        "plain": dict(speculative_algorithm="none"),
-        "chain": dict(spec, speculative_num_steps=3, speculative_policy="always"),
-        "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
-                     speculative_policy="always"),
-        "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
-                          speculative_disable_batch_threshold=32),
-        "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
-    }
+    """sweep.py's configurations, the threshold at SGLang's 32, without the overlap-off variants."""
+    from sweep import configurations as sweep_configurations  # benchmarks/ is on sys.path as a script
+
+    return {k: v for k, v in sweep_configurations(draft, threshold=32).items() if not k.endswith("-sync")}
 
 
 def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -99,9 +93,8 @@ def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids:
 
 def set_profile(engine, rates: tuple[float, ...]) -> None:
     """Switch the engine's synthetic acceptance and make its controller learn acceptance afresh."""
-    engine.synthetic.rates = rates
-    if engine.controller is not None:
-        engine.controller.forget_acceptance()
+    engine.spec.synthetic.rates = rates
+    engine.spec.controller.forget_acceptance()
 
 
 def sweep(args) -> dict:

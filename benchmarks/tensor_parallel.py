@@ -71,7 +71,7 @@ def decode_steps(engine, batch: int, args, gen) -> dict:
             tokens += stats.num_generation_tokens - before
             waited += sum(waited_s.values()) - host_before
             steps += 1
-            ks[stats.spec.last_k if engine.controller is not None else 0] += 1
+            ks[stats.spec.last_k if engine.spec is not None else 0] += 1
     return dict(seconds=seconds, tokens=tokens, steps=steps, ks=ks, host_waited=waited)
 
 
@@ -107,9 +107,9 @@ def measure(tp: int, name: str, args) -> dict:
     engine = llm.engine
     rows = {}
     try:
-        if engine.controller is not None and args.acceptance:
+        if engine.spec is not None and args.acceptance:
             rates = [float(x) for x in args.acceptance.split(",")]
-            engine.controller.pin_acceptance(rates)
+            engine.spec.controller.pin_acceptance(rates)
         gen = torch.Generator().manual_seed(0)
         warm = dict(vars(args), max_tokens=8)
         for batch in args.batches:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.spec.tree import DraftTree, select_tree
-from specserve.spec.verify import verify_greedy, verify_sampling
+from specserve.speculative.tree import DraftTree, select_tree
+from specserve.speculative.verify import verify_greedy, verify_sampling
 
 
 def one_hot_rows(rows: list[int], vocab: int = 8) -> torch.Tensor:
@@ -85,7 +85,7 @@ def test_select_tree_keeps_best_by_cumulative_score():
 
 
 def test_batched_selection_equals_per_request_selection():
-    from specserve.spec.tree import select_trees
+    from specserve.speculative.tree import select_trees
 
     gen = torch.Generator().manual_seed(0)
     k, steps, batch = 3, 3, 12

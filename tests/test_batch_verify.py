@@ -7,10 +7,10 @@ import random
 import torch
 
 from specserve import SamplingParams
-from specserve.spec.batch_verify import (draw_verify_random, sampling_probs, verify_batch, verify_greedy_chains,
+from specserve.speculative.batch_verify import (draw_verify_random, sampling_probs, verify_batch, verify_greedy_chains,
                                          verify_batch_params)
-from specserve.spec.tree import DraftTree
-from specserve.spec.verify import verify, verify_greedy, verify_sampling
+from specserve.speculative.tree import DraftTree
+from specserve.speculative.verify import verify, verify_greedy, verify_sampling
 
 from .stats import chi_square_pvalue
 

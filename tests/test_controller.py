@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import random
 
-from specserve.spec.controller import PLAIN, Controller, Shape, candidate_shapes
+from specserve.speculative.controller import PLAIN, Controller, Shape, candidate_shapes
 
 SHAPES = candidate_shapes(steps=3, topk=1, num_nodes=4)  # plain, chains of 1, 2, 3
 

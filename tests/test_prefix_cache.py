@@ -110,7 +110,7 @@ def speculate_sessions(target, draft, policy: str, sabotage: bool = False):
     histories = [list(system) for _ in users]
     for t in range(2):
         if sabotage and t == 1:
-            llm.engine.proposer.block_features.zero_()  # the rows a request starting on a hit needs
+            llm.engine.spec.proposer.block_features.zero_()  # the rows a request starting on a hit needs
         prompts = [h + u[t] for h, u in zip(histories, users)]
         res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         histories = [p + r.token_ids for p, r in zip(prompts, res)]
@@ -126,8 +126,8 @@ def compare_cached_blocks(a, b) -> int:
         assert other is not None and other.tokens == node.tokens
         x, y = slots(node.block, 8), slots(other.block, 8)
         close(a.runner.kv_cache[:, :, x], b.runner.kv_cache[:, :, y])
-        close(a.proposer.kv_cache[:, x], b.proposer.kv_cache[:, y])
-        close(a.proposer.block_features[node.block], b.proposer.block_features[other.block])
+        close(a.spec.proposer.kv_cache[:, x], b.spec.proposer.kv_cache[:, y])
+        close(a.spec.proposer.block_features[node.block], b.spec.proposer.block_features[other.block])
         compared += 1
     return compared
 

@@ -101,7 +101,7 @@ def test_loader_reads_published_format(pair, tmp_path):
     import torch
 
     from specserve.models import ArchConfig, read_config
-    from specserve.spec.eagle3 import load_eagle3
+    from specserve.speculative.eagle3 import load_eagle3
 
     target, _ = pair
     arch = ArchConfig.from_dict(read_config(target))
@@ -139,7 +139,7 @@ def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
     prompts, want = plain_outputs
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=3,
                    speculative_policy=policy, speculative_disable_batch_threshold=4)
-    controller = llm.engine.controller
+    controller = llm.engine.spec.controller
     controller.probe_every = 3  # switch often
     seen = set()
     original = controller.choose

@@ -8,7 +8,7 @@ import pytest
 from specserve import SamplingParams
 from specserve.cli import add_engine_args, engine_options
 from specserve.config import ConfigError, EngineConfig
-from specserve.spec.synthetic import SyntheticAcceptance
+from specserve.speculative.synthetic import SyntheticAcceptance
 
 from .conftest import DEVICE, make_llm
 

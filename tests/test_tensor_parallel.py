@@ -110,7 +110,7 @@ def test_default_pair_on_two_ranks(options, default_plain):
 def speculating_share(llm: LLM) -> float:
     """Of the decode steps of one request at a time, the share that verified drafts. Acceptance is pinned
     at 0.6 per position (a chain of 1 / 2 / 3 gains 1.6 / 2.0 / 2.2 tokens), so that only the step times decide."""
-    llm.engine.controller.pin_acceptance([0.6])
+    llm.engine.spec.controller.pin_acceptance([0.6])
     llm.generate(TEXT_PROMPTS[0], greedy(8))  # warm
     for prompt in TEXT_PROMPTS:
         llm.generate(prompt, greedy(24))

@@ -16,14 +16,12 @@ from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
-from ..spec import make_proposer, make_synthetic
-from ..spec.controller import PLAIN, Controller, Shape, candidate_shapes
-from ..spec.batch_verify import verify_drafts
-from ..spec.verify import Verdict
+from ..speculative.controller import PLAIN, Shape
+from ..speculative.decoder import SpecDecoder
 from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
 from .scheduler import Scheduler
 from .sequence import Sequence, TokenLogprob
-from .stats import EngineStats
+from .stats import EngineStats, SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -99,24 +97,17 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.arch)  # under tensor parallelism: starts the other ranks
-        spec = config.speculative
+        spec_stats = SpecStats()
         try:
             if self.runner.num_blocks * config.cache.block_size < config.model.max_model_len:
                 raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
                                  f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                                  f"or kv_cache_gb, or lower max_model_len")
-            self.synthetic = make_synthetic(config) if spec.enabled else None
-            if self.synthetic is not None:
-                log.warning("SYNTHETIC ACCEPTANCE: drafts are accepted at rates %s, not verified; output text is "
-                            "meaningless (benchmarks only)", list(self.synthetic.rates))
-            self.proposer = make_proposer(config, self.arch, self.runner, self.synthetic) if spec.enabled else None
-            self.blocks = make_block_manager(config.cache, self.runner, self.proposer)
-            self.controller = Controller(spec.speculative_policy, candidate_shapes(
-                spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
-                spec.speculative_disable_batch_threshold) if spec.enabled else None
-            shapes = self.controller.shapes if self.controller is not None else [PLAIN]
-            self.runner.capture_graphs(self.proposer.aux_layers if self.proposer else (),
-                                       sorted({s.num_nodes for s in shapes}))
+            self.spec = SpecDecoder(config, self.arch, self.runner, spec_stats) \
+                if config.speculative.enabled else None
+            self.blocks = make_block_manager(config.cache, self.runner, self.spec.proposer if self.spec else None)
+            shapes = self.spec.shapes if self.spec is not None else [PLAIN]
+            self.runner.capture_graphs(self.aux_layers, sorted({s.num_nodes for s in shapes}))
         except BaseException:
             self.runner.close()
             raise
@@ -131,7 +122,12 @@ class LLMEngine:
         self._flip = 0
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.stats = EngineStats(prefix_cache=self.blocks.stats)
+        self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose input hidden states each step outputs (for the proposer)."""
+        return self.spec.aux_layers if self.spec is not None else ()
 
     # ---- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -190,16 +186,16 @@ class LLMEngine:
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:
         """(tokens computed, KV slots needed) for a decoding sequence this step."""
         shape = self.shape
-        if shape.steps == 0 or seq.num_tokens + self.proposer.num_slots(shape) > self.config.model.max_model_len:
+        if shape.steps == 0 or seq.num_tokens + self.spec.num_slots(shape) > self.config.model.max_model_len:
             return 1, 1
-        return shape.num_nodes, self.proposer.num_slots(shape)
+        return shape.num_nodes, self.spec.num_slots(shape)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs it completed. With overlap on, a plain step returns the
         outputs of the step before it, whose host work ran while this one was on the device."""
         start = time.perf_counter()
-        if self.controller is not None:
-            self.shape = self.controller.choose(max(1, len(self.scheduler.running)))
+        if self.spec is not None:
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)))
         if self.overlap and self.shape.steps == 0:
             return self._step_overlapped(start)
         outputs = self._drain() if self.inflight is not None else []
@@ -209,23 +205,18 @@ class LLMEngine:
             return outputs
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
         if speculating:
-            t0 = time.perf_counter()
-            trees = self.proposer.propose([item.seq for item in speculating], self.shape)
-            for item, tree in zip(speculating, trees):
+            for item, tree in zip(speculating, self.spec.draft([item.seq for item in speculating], self.shape)):
                 item.draft = tree
-            self.stats.spec.draft_time_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else ())
+        out = self.runner.forward(batch, self.aux_layers)
         if speculating:
             self.stats.spec.verify_time_s += time.perf_counter() - t0
         self.stats.num_steps += 1
         self.stats.spec.last_k = self.shape.k if speculating else 0
         outputs += self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        steady = not speculating or self.proposer.last_catch_up <= len(speculating) * (self.shape.steps + 1)
-        if steady and self._decoding_only(batch):
-            # decode-only steps without a long catch-up teach the controller what each shape costs
-            self.controller.record_step(len(batch), self.shape if speculating else PLAIN, time.perf_counter() - start)
+        if self._decoding_only(batch):
+            self.spec.record_step(len(batch), self.shape, time.perf_counter() - start, len(speculating))
         return outputs
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------
@@ -233,7 +224,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(self._decode_shape)
         previous, self.inflight = self.inflight, None
         if batch:
-            out = self.runner.forward(batch, self.proposer.aux_layers if self.proposer else (), publish=True)
+            out = self.runner.forward(batch, self.aux_layers, publish=True)
             self.stats.num_steps += 1
             self.stats.spec.last_k = 0
             self.inflight = self._launch_sampling(batch, out, alone=previous is None, started=start)
@@ -241,7 +232,7 @@ class LLMEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if batch and self.inflight.decoding and previous is not None and previous.decoding:
             # launch to launch, the wait for the previous decode step included: one decode step's time
-            self.controller.record_step(len(batch), PLAIN, time.perf_counter() - start)
+            self.spec.record_step(len(batch), PLAIN, time.perf_counter() - start)
         return outputs
 
     def _drain(self) -> list[RequestOutput]:
@@ -250,7 +241,7 @@ class LLMEngine:
         flight = self.inflight
         outputs = self._resolve(flight)
         if flight.decoding and flight.alone:
-            self.controller.record_step(flight.batch_size, PLAIN, time.perf_counter() - flight.started)
+            self.spec.record_step(flight.batch_size, PLAIN, time.perf_counter() - flight.started)
         return outputs
 
     def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput, alone: bool,
@@ -299,7 +290,7 @@ class LLMEngine:
         return outputs
 
     def _decoding_only(self, batch: list[ScheduledSeq]) -> bool:
-        return self.controller is not None and all(
+        return self.spec is not None and all(
             item.seq.num_computed_tokens > item.seq.num_prompt_tokens or item.draft is not None for item in batch)
 
     @staticmethod
@@ -324,8 +315,6 @@ class LLMEngine:
             if item.draft is not None:
                 verdict, logprobs = verdicts[i]
                 committed.append(self._commit(seq, verdict.path, out, i))
-                self.stats.spec.record(item.draft.num_drafts, verdict.num_accepted)
-                self.controller.record_verify(self.shape, verdict.num_accepted)
                 tokens = verdict.tokens
             else:
                 committed.append(self._commit(seq, range(item.num_tokens), out, i))
@@ -349,8 +338,8 @@ class LLMEngine:
 
     def _finish(self, finished: list[Sequence]) -> None:
         """Release finished requests (their complete blocks stay cached, draft state included)."""
-        if finished and self.proposer is not None and self.blocks.enabled:
-            self.proposer.flush(finished, [self.blocks.num_cached_blocks(seq) for seq in finished])
+        if finished and self.spec is not None and self.blocks.enabled:
+            self.spec.flush(finished, [self.blocks.num_cached_blocks(seq) for seq in finished])
         for seq in finished:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
@@ -366,43 +355,16 @@ class LLMEngine:
 
     def _observe(self, out: ForwardOutput, committed: list) -> None:
         """Tell the proposer, once per step, which auxiliary rows each sequence committed."""
-        if self.proposer is not None and committed:
-            self.proposer.observe(out.aux, committed)
+        if self.spec is not None:
+            self.spec.observe(out.aux, committed)
 
     def _verify(self, batch: list[ScheduledSeq], drafted: list[int], out: ForwardOutput) -> dict:
-        """Verify every draft of the step at once and move the accepted tree branches' KV into place
-        (one copy); per batch index: (its verdict, the logprobs of its tokens or None)."""
-        seqs = [batch[i].seq for i in drafted]
+        """Verify every draft of the step at once; per batch index: (its verdict, its tokens' logprobs)."""
         n = batch[drafted[0]].draft.size
         logits = self._sampling_logits(out, drafted).view(len(drafted), n, -1)  # [B, N, vocab]
-        check = self.synthetic.verify_batch if self.synthetic is not None else None
-        verdicts = verify_drafts([batch[i].draft for i in drafted], logits, [s.params for s in seqs],
-                                 [s.generator for s in seqs], check)
-        moves = [(s, [s.num_computed_tokens + p for p in v.path], range(s.num_computed_tokens,
-                                                                         s.num_computed_tokens + len(v.path)))
-                 for s, v in zip(seqs, verdicts) if v.path != list(range(len(v.path)))]
-        if moves:
-            self.runner.move_kv(moves)
-        return dict(zip(drafted, zip(verdicts, self._draft_logprobs(seqs, verdicts, logits.flatten(0, 1)))))
-
-    def _draft_logprobs(self, seqs: list[Sequence], verdicts: list[Verdict], logits: torch.Tensor) -> list:
-        """Per sequence, the logprobs of its verdict's tokens (None unless it asked), from logits
-        [B * N, vocab] in one call for the batch."""
-        asked = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
-        result: list = [None] * len(seqs)
-        if not asked:
-            return result
-        n = logits.shape[0] // len(seqs)
-        rows = [k * n + p for k in asked for p in verdicts[k].path]
-        tokens = [t for k in asked for t in verdicts[k].tokens]
-        flat = self.runner.logprobs(logits[to_device(rows, torch.long, logits.device)],
-                                    to_device(tokens, torch.long, logits.device),
-                                    [seqs[k] for k in asked for _ in verdicts[k].tokens])
-        start = 0
-        for k in asked:
-            result[k] = flat[start:start + len(verdicts[k].tokens)]
-            start += len(verdicts[k].tokens)
-        return result
+        results = self.spec.accept([batch[i].seq for i in drafted], [batch[i].draft for i in drafted], logits,
+                                   self.shape)
+        return dict(zip(drafted, results))
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()

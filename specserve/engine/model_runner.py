@@ -17,7 +17,7 @@ from ..layers.attention import build_metadata
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
-from ..spec.tree import DraftTree
+from ..speculative.tree import DraftTree
 from .cuda_graph import GraphRunner, StepInputs
 from .distributed import Ranks
 from .sequence import Sequence, TokenLogprob

@@ -1,6 +1,6 @@
 """Train an EAGLE-3 draft head against a frozen specserve target with training-time test (TTT).
 
-The draft is `specserve.spec.eagle3.Eagle3Draft`, the exact module inference runs, its attention
+The draft is `specserve.speculative.eagle3.Eagle3Draft`, the exact module inference runs, its attention
 reading and writing a scratch KV cache through `build_metadata` just as the proposer does. Step 0 of the
 unroll feeds (fc(target features at j), token j+1) at position j and predicts token j+2; step s > 0 feeds
 the draft's own step s-1 output at origin j with token j+1+s at position j+s and predicts token j+2+s.
@@ -23,7 +23,7 @@ from torch import nn
 
 from ..layers.attention import build_metadata
 from ..models import ArchConfig, load_model, read_config
-from ..spec.eagle3 import Eagle3Config, Eagle3Draft
+from ..speculative.eagle3 import Eagle3Config, Eagle3Draft
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"

@@ -1,4 +1,5 @@
-"""Speculative decoding: proposers, draft trees, verification."""
+"""Speculative decoding: the engine's SpecDecoder (decoder.py), proposers, draft trees, verification, the
+controller."""
 from __future__ import annotations
 
 

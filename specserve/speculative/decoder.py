@@ -1,0 +1,122 @@
+"""The engine's one handle on speculative decoding: it owns the proposer, the controller, verification
+and the step timing the controller learns from.
+
+Each step the engine asks `choose` for the step's shape (plain decoding or a draft shape), schedules the
+KV slots `num_slots` asks for, asks `draft` for the trees of the sequences that speculate, runs the target
+over them and hands the logits to `accept`, which verifies every tree at once, moves the accepted tree
+branches' KV into place and feeds the statistics and the controller. Every step, speculative or not,
+the proposer `observe`s what the target committed; `record_step` times decode steps for the controller.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from ..device import to_device
+from ..engine.sequence import Sequence
+from ..engine.stats import SpecStats
+from .batch_verify import verify_drafts
+from .controller import PLAIN, Controller, Shape, candidate_shapes
+from .tree import DraftTree
+from .verify import Verdict
+
+log = logging.getLogger(__name__)
+
+
+class SpecDecoder:
+    def __init__(self, config, target_arch, runner, stats: SpecStats):
+        """config: the resolved EngineConfig (speculation enabled); runner: the target's ModelRunner (the
+        proposer shares its KV layout, embedding and device; verification moves KV through it)."""
+        from . import make_proposer, make_synthetic
+
+        spec = config.speculative
+        self.runner = runner
+        self.stats = stats
+        self.synthetic = make_synthetic(config)
+        if self.synthetic is not None:
+            log.warning("SYNTHETIC ACCEPTANCE: drafts are accepted at rates %s, not verified; output text is "
+                        "meaningless (benchmarks only)", list(self.synthetic.rates))
+        self.proposer = make_proposer(config, target_arch, runner, self.synthetic)
+        self.controller = Controller(spec.speculative_policy, candidate_shapes(
+            spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
+            spec.speculative_disable_batch_threshold)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose input hidden states the proposer needs."""
+        return self.proposer.aux_layers
+
+    @property
+    def shapes(self) -> list[Shape]:
+        """Every shape `choose` may return (the target's CUDA graphs cover each one's tokens per request)."""
+        return self.controller.shapes
+
+    def choose(self, batch_size: int) -> Shape:
+        return self.controller.choose(batch_size)
+
+    def num_slots(self, shape: Shape) -> int:
+        """KV slots a sequence needs past its computed prefix for a step of this shape."""
+        return self.proposer.num_slots(shape)
+
+    def draft(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
+        """One tree of shape.num_nodes nodes per sequence (each has one uncomputed token)."""
+        start = time.perf_counter()
+        trees = self.proposer.propose(seqs, shape)
+        self.stats.draft_time_s += time.perf_counter() - start
+        return trees
+
+    def accept(self, seqs: list[Sequence], trees: list[DraftTree], logits: torch.Tensor, shape: Shape
+               ) -> list[tuple[Verdict, Optional[list]]]:
+        """Verify every tree at once against the target's logits [B, N, vocab] and move the accepted tree
+        branches' KV into place (one copy); per sequence, its verdict and its tokens' logprobs (None unless
+        it asked). Nothing is committed to the sequences: that is the engine's."""
+        check = self.synthetic.verify_batch if self.synthetic is not None else None
+        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], check)
+        moves = [(s, [s.num_computed_tokens + p for p in v.path],
+                  range(s.num_computed_tokens, s.num_computed_tokens + len(v.path)))
+                 for s, v in zip(seqs, verdicts) if v.path != list(range(len(v.path)))]
+        if moves:
+            self.runner.move_kv(moves)
+        for tree, verdict in zip(trees, verdicts):
+            self.stats.record(tree.num_drafts, verdict.num_accepted)
+            self.controller.record_verify(shape, verdict.num_accepted)
+        return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
+
+    def _logprobs(self, seqs: list[Sequence], verdicts: list[Verdict], logits: torch.Tensor) -> list:
+        """Per sequence, the logprobs of its verdict's tokens (None unless it asked), from logits
+        [B * N, vocab] in one call for the batch."""
+        asked = [k for k, s in enumerate(seqs) if s.params.logprobs is not None]
+        result: list = [None] * len(seqs)
+        if not asked:
+            return result
+        n = logits.shape[0] // len(seqs)
+        rows = [k * n + p for k in asked for p in verdicts[k].path]
+        tokens = [t for k in asked for t in verdicts[k].tokens]
+        flat = self.runner.logprobs(logits[to_device(rows, torch.long, logits.device)],
+                                    to_device(tokens, torch.long, logits.device),
+                                    [seqs[k] for k in asked for _ in verdicts[k].tokens])
+        start = 0
+        for k in asked:
+            result[k] = flat[start:start + len(verdicts[k].tokens)]
+            start += len(verdicts[k].tokens)
+        return result
+
+    def observe(self, aux: torch.Tensor, committed: list) -> None:
+        """What the target committed this step (see `Proposer.observe`)."""
+        if committed:
+            self.proposer.observe(aux, committed)
+
+    def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
+        """These requests finish (see `Proposer.flush`)."""
+        self.proposer.flush(seqs, cached_blocks)
+
+    def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0) -> None:
+        """A decode-only step's wall time, for the controller. `drafted`: sequences that speculated in it;
+        a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
+        decoding) is not typical of its shape and is not recorded."""
+        if drafted and self.proposer.last_catch_up > drafted * (shape.steps + 1):
+            return
+        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds)
