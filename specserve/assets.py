@@ -10,8 +10,6 @@ import json
 import os
 import tempfile
 
-import torch
-
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 SHIPPED_TARGET = os.path.join(ASSETS, "default", "target")
 SHIPPED_DRAFT = os.path.join(ASSETS, "default", "eagle3")
@@ -50,6 +48,7 @@ def _train_tokenizer(vocab_size: int):
 
 def make_tiny_checkpoint(path: str, vocab_size: int = 512, seed: int = 0) -> None:
     """Write a tiny random Llama checkpoint with a tokenizer to `path` (atomically)."""
+    import torch
     from safetensors.torch import save_file
 
     from .models import ArchConfig
