@@ -18,9 +18,9 @@ from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from ..speculative.controller import PLAIN, Shape
 from ..speculative.decoder import SpecDecoder
-from .model_runner import ForwardOutput, ModelRunner, ScheduledSeq
+from .model_runner import ForwardOutput, ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence, TokenLogprob
+from .sequence import ScheduledSeq, Sequence, TokenLogprob
 from .stats import EngineStats, SpecStats
 
 log = logging.getLogger(__name__)

@@ -17,32 +17,13 @@ from ..layers.attention import build_metadata
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
-from ..speculative.tree import DraftTree
 from .cuda_graph import GraphRunner, StepInputs
 from .distributed import Ranks
-from .sequence import Sequence, TokenLogprob
+from .sequence import ScheduledSeq, Sequence, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step: compute `num_tokens` tokens starting at its computed prefix.
-
-    With a `draft`, the tokens are the draft tree's nodes (root = the sequence's uncomputed token),
-    placed at position prefix + depth and attending along the tree.
-    """
-
-    seq: Sequence
-    num_tokens: int
-    draft: Optional[DraftTree] = None
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the sequence's known tokens, so a new token is sampled?"""
-        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens
 
 
 @dataclass

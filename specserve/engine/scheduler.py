@@ -6,8 +6,7 @@ from typing import Callable
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
-from .model_runner import ScheduledSeq
-from .sequence import Sequence, SequenceStatus
+from .sequence import ScheduledSeq, Sequence, SequenceStatus
 
 
 class Scheduler:

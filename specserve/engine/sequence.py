@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from ..speculative.tree import DraftTree
 
 
 class SequenceStatus(enum.Enum):
@@ -144,3 +147,21 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
                 f"status={self.status.value})")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute `num_tokens` tokens starting at its computed prefix.
+
+    With a `draft`, the tokens are the draft tree's nodes (root = the sequence's uncomputed token),
+    placed at position prefix + depth and attending along the tree.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    draft: Optional["DraftTree"] = None
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the sequence's known tokens, so a new token is sampled?"""
+        return self.seq.num_computed_tokens + self.num_tokens >= self.seq.num_tokens

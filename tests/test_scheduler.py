@@ -1,0 +1,76 @@
+"""The scheduler on its own: token budget, chunked prefill, admission limits, preemption order."""
+from __future__ import annotations
+
+from specserve.config import SchedulerConfig
+from specserve.engine.block_manager import BlockManager
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import Sequence, SequenceStatus
+from specserve.sampling_params import SamplingParams
+
+BLOCK = 4
+
+
+def make(num_blocks: int = 64, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, BLOCK, enable_prefix_caching=False))
+
+
+def request(name: str, prompt_len: int) -> Sequence:
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), set(), 4096, None)
+
+
+def run(batch) -> list[tuple[str, int]]:
+    """Apply a step as the engine would (the KV is computed; a sampling item gains a token)."""
+    for item in batch:
+        samples = item.samples
+        item.seq.num_computed_tokens += item.num_tokens
+        if samples:
+            item.seq.token_ids.append(7)
+    return [(item.seq.request_id, item.num_tokens) for item in batch]
+
+
+def test_running_decodes_first_then_a_prompt_chunked_to_the_budget():
+    s = make(max_num_batched_tokens=8)
+    for name in ("a", "b"):
+        s.add(request(name, 3))
+    assert run(s.schedule()) == [("a", 3), ("b", 3)]  # both prompts fit in 8
+    s.add(request("c", 20))
+    assert run(s.schedule()) == [("a", 1), ("b", 1), ("c", 6)]  # decodes, then 8 - 2 of c's prompt
+    assert run(s.schedule()) == [("a", 1), ("b", 1), ("c", 6)]
+    assert run(s.schedule()) == [("a", 1), ("b", 1), ("c", 6)]
+    assert run(s.schedule()) == [("a", 1), ("b", 1), ("c", 2)]  # the prompt's last 2 tokens
+    assert run(s.schedule()) == [("a", 1), ("b", 1), ("c", 1)]  # c decodes
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_budget():
+    s = make(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    s.add(request("a", 3))
+    run(s.schedule())
+    s.add(request("b", 8))
+    assert run(s.schedule()) == [("a", 1)]  # 7 tokens left: b's 8 do not fit, and are not split
+    assert [q.request_id for q in s.waiting] == ["b"]
+
+
+def test_admission_stops_at_max_num_seqs_in_arrival_order():
+    s = make(max_num_seqs=2)
+    for name in "abc":
+        s.add(request(name, 2))
+    assert run(s.schedule()) == [("a", 2), ("b", 2)]
+    assert [q.request_id for q in s.waiting] == ["c"]
+    s.finish(s.running[0])
+    assert run(s.schedule()) == [("b", 1), ("c", 2)]
+
+
+def test_the_latest_admitted_is_preempted_when_the_pool_runs_out():
+    s = make(num_blocks=3)
+    for name in ("a", "b", "c"):
+        s.add(request(name, BLOCK))  # one full block each: the pool is full
+    run(s.schedule())
+    assert s.blocks.num_free_blocks == 0
+    batch = s.schedule()  # each decode needs a new block: c (admitted last) goes, then b
+    assert [item.seq.request_id for item in batch] == ["a"]
+    assert [q.request_id for q in s.waiting] == ["b", "c"]  # preempted ones wait first, in order
+    assert s.num_preemptions == 2
+    for name in "bc":
+        victim = next(q for q in s.waiting if q.request_id == name)
+        assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
+        assert victim.block_table == []
