@@ -3,9 +3,39 @@ option has exactly one spelling: `--max-num-seqs` is `max_num_seqs`."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from .config import ConfigError, EngineConfig, option_table
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (`--max-num-seq` is not `--max-num-seqs`): an unknown flag is an error
+    that suggests the closest ones; errors are one line (exit code 2)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        namespace, extra = self.parse_known_args(args, namespace)
+        if extra:
+            parser = self.commands.get(getattr(namespace, "command", None), self)
+            parser.error(unknown_argument(extra[0], parser))
+        return namespace
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def unknown_argument(arg: str, parser: argparse.ArgumentParser) -> str:
+    """The error for an argument `parser` does not take, with the closest flags when it is a flag."""
+    if not arg.startswith("-"):
+        return f"unexpected argument {arg!r}"
+    flag = arg.split("=", 1)[0]
+    flags = [s for s in parser._option_string_actions if s.startswith("--")]
+    close = difflib.get_close_matches(flag, flags, n=3)
+    return f"unknown flag {flag}" + (f" (did you mean {', '.join(close)}?)" if close else "")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +119,12 @@ def add_serve_command(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from .assets import default_model_path
     from .server.options import server_options
 
     options = server_options(args)
     config = EngineConfig.from_options(**engine_options(args))
+    config.resolve(default_model_path())  # a missing model folder or a bad option fails here, before the server
     code = launched_worker(config)
     if code is not None:
         return code
@@ -191,7 +223,8 @@ def add_compare_command(sub) -> None:
     c.add_argument("--markdown", help="write the side-by-side table as markdown")
     c.add_argument("--out", help="write every configuration's results to this JSON file")
     c.add_argument("--startup-timeout", type=float, default=300, help="seconds a server may take to load (300)")
-    c.add_argument("--log-dir", help="where the servers' logs go (default: a new temporary folder)")
+    c.add_argument("--log-dir", help="where the servers' logs go (default: a temporary folder, removed at the end "
+                   "unless a server failed)")
     c.set_defaults(func=cmd_compare)
 
 
@@ -201,7 +234,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .bench.options import sweep_options
     try:
         from .bench import compare
-        from .bench.report import write_json
+        from .bench.report import print_table, write_json
     except ImportError as e:
         raise _needs_server_extra("compare", e) from e
 
@@ -213,9 +246,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print("specserve compare: interrupted (the running server was stopped)", file=sys.stderr)
         return 130
     console = Console()
-    console.print(compare.comparison_table(result))
+    print_table(compare.comparison_table(result), console)
     for line in compare.not_run(result):
-        console.print(f"not run: {line}", markup=False)
+        console.print(f"not run: {line}", markup=False, soft_wrap=True)
     if args.out:
         write_json(args.out, result)
     if args.markdown:
@@ -226,8 +259,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if any(c["result"] for c in result["configurations"]) else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+def build_parser() -> Parser:
+    parser = Parser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
     gen.add_argument("--prompt", required=True)
@@ -239,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_draft_command(sub)
     add_bench_command(sub)
     add_compare_command(sub)
+    parser.commands = sub.choices
     return parser
 
 

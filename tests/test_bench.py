@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 
@@ -146,9 +147,10 @@ def test_a_server_that_dies_mid_run_gives_failures(tmp_path, model):
 
 
 # ---- compare ----------------------------------------------------------------------------------------
-def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, model):
+def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, model, monkeypatch, capsys):
     """Plain, speculative (a random EAGLE-3 draft: acceptance is measured, not good) and one whose server
-    cannot start: the first two run, the third is reported, and no server process is left."""
+    cannot start: the first two run, the third is reported, and no server process is left. The tables are
+    whole though the output is not a terminal; the temporary log folder is kept for the failed server."""
     from .eagle_utils import make_eagle3_checkpoint
 
     draft = make_eagle3_checkpoint(str(tmp_path / "draft"), model)
@@ -156,12 +158,15 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
     spec_flags = f"{KV} --speculative-algorithm EAGLE3 --speculative-draft-model-path {draft} " \
                  "--speculative-num-steps 2 --speculative-policy always"
     out, md, png = tmp_path / "compare.json", tmp_path / "compare.md", tmp_path / "compare.png"
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     rc = main(["compare", "--config", f"plain={KV}", "--config", f"spec={spec_flags}",
                "--config", "bad=--no-such-flag",
                "--model", model, "--concurrency", "1,2", "--requests-per-level", "3", "--max-tokens", "6",
-               "--warmup", "0", "--ignore-eos", "--out", str(out), "--markdown", str(md), "--plot", str(png),
-               "--log-dir", str(tmp_path)])
+               "--warmup", "0", "--ignore-eos", "--out", str(out), "--markdown", str(md), "--plot", str(png)])
     assert rc == 0
+    printed = capsys.readouterr()
     result = json.loads(out.read_text())
     plain, spec, bad = result["configurations"]
     assert (plain["status"], spec["status"], bad["status"]) == ("ok", "ok", "failed")
@@ -181,6 +186,41 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
     text = md.read_text()
     assert "| concurrency | plain tok/s | spec tok/s | spec / plain |" in text and "bad (failed)" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "…" not in printed.out + printed.err
+    for c in (plain, spec):  # every level's throughput in the side-by-side table and in its own table
+        for lv in c["result"]["levels"]:
+            assert f"{lv['output_throughput']:.1f}" in printed.out
+            assert f"{lv['total_token_throughput']:.1f}" in printed.err
+    [kept] = os.listdir(temp)  # the bad server failed: its log is kept and the folder named
+    assert os.path.isfile(temp / kept / "bad.log") and f"logs are kept in {temp / kept}\n" in printed.err
+
+
+def test_compare_removes_its_log_folder_when_every_server_ran(tmp_path, monkeypatch):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+
+    def fake_run(config, options, model, log_dir, startup_timeout, console):
+        with open(os.path.join(log_dir, f"{config.name}.log"), "w") as f:
+            f.write("server log\n")
+        status = "skipped" if config.name == "skipped" else "ok"
+        return {"name": config.name, "status": status, "log": f.name, "result": None}
+
+    monkeypatch.setattr(compare, "run_configuration", fake_run)
+    configs = [compare.Configuration("a", ""), compare.Configuration("skipped", "")]
+    result = compare.run_compare(configs, compare.SMALL_CPU_SWEEP)
+    assert os.listdir(temp) == [] and [c["log"] for c in result["configurations"]] == [None, None]
+
+
+def test_plot_labels_the_measured_levels():
+    def ran(name, levels):
+        return {"name": name, "result": {"levels": [{"concurrency": c, "output_throughput": 10.0 * c}
+                                                    for c in levels]}}
+
+    comparison = {"configurations": [ran("a", [1, 2, 5, 10]), ran("b", [1, 3]), {"name": "c", "result": None}]}
+    [ax] = compare.throughput_figure(comparison).axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "3", "5", "10"]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == []
 
 
 def test_default_speculative_configurations_need_the_shipped_drafter(monkeypatch):

@@ -3,6 +3,7 @@
 Each configuration is a set of `specserve serve` flags. Its server starts on a free port in its own process
 group, the sweep runs once /health is 200, and the server is stopped (SIGTERM, then SIGKILL of the group)
 however the sweep ends. A configuration whose server cannot start is reported and the others still run.
+The servers' logs go to a temporary folder, removed at the end unless a server failed.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import tempfile
 import threading
@@ -107,14 +109,15 @@ def run_configuration(config: Configuration, options: SweepOptions, model: Optio
     log_path = os.path.join(log_dir, f"{_file_name(config.name)}.log")
     server = ServerProcess(args, log_path)
     record.update(pid=server.pid, log=log_path)
-    console.print(f"{config.name}: started server pid {server.pid} on {server.url} (log: {log_path})")
+    console.print(f"{config.name}: started server pid {server.pid} on {server.url} (log: {log_path})",
+                  soft_wrap=True)  # paths whole, not folded at the console's width
     try:
         server.wait_ready(startup_timeout)
         record["result"] = asyncio.run(run_sweep(server.url, options, console, title=config.name))
         record.update(status="ok", error=None)
     except (ServerStartError, BenchError) as e:
         record.update(status="failed", error=str(e))
-        console.print(Text(f"{config.name}: {e}", style="red"))
+        console.print(Text(f"{config.name}: {e}", style="red"), soft_wrap=True)
     finally:
         server.stop()
         console.print(f"{config.name}: server pid {server.pid} stopped")
@@ -129,17 +132,32 @@ def run_compare(configs: list[Configuration], options: SweepOptions, model: Opti
                 log_dir: Optional[str] = None, startup_timeout: float = 300,
                 console: Optional[Console] = None) -> dict:
     """Run every configuration in turn (SIGTERM and Ctrl-C stop the running server before they end this).
-    The result: {"options", "model", "configurations": [record per configuration]}."""
+    The result: {"options", "model", "configurations": [record per configuration]}. Without `log_dir` the
+    logs go to a temporary folder, removed at the end unless a server failed (its path is printed then)."""
     console = console or Console(stderr=True)
+    temporary = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="specserve-compare-")
     os.makedirs(log_dir, exist_ok=True)
     records = []
-    with sigterm_as_interrupt():
-        for config in configs:
-            records.append(run_configuration(config, options, model, log_dir, startup_timeout, console))
-            if records[-1]["result"]:
-                print_levels(records[-1]["result"]["levels"], title=config.name, console=console)
+    try:
+        with sigterm_as_interrupt():
+            for config in configs:
+                records.append(run_configuration(config, options, model, log_dir, startup_timeout, console))
+                if records[-1]["result"]:
+                    print_levels(records[-1]["result"]["levels"], title=config.name, console=console)
+    finally:
+        if temporary:
+            _remove_logs_unless_failed(log_dir, records, console)
     return {"options": options.record(), "model": model, "configurations": records}
+
+
+def _remove_logs_unless_failed(log_dir: str, records: list[dict], console: Console) -> None:
+    if any(r["status"] == "failed" for r in records):
+        console.print(f"the servers' logs are kept in {log_dir}", markup=False, soft_wrap=True)
+        return
+    shutil.rmtree(log_dir, ignore_errors=True)
+    for record in records:
+        record["log"] = None
 
 
 # ---- the side-by-side view ----------------------------------------------------------------------------
@@ -198,16 +216,24 @@ def comparison_markdown(comparison: dict) -> str:
 
 def plot_throughput(comparison: dict, path: str) -> None:
     """A PNG of output tokens/s against concurrency (log x), one line per configuration that ran."""
+    throughput_figure(comparison).savefig(path)
+
+
+def throughput_figure(comparison: dict):
+    """The plot's matplotlib Figure: the x axis is labelled at the measured concurrency levels."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5), dpi=120)
     ax = fig.subplots()
+    measured = set()
     for c in comparison["configurations"]:
         if c["result"]:
             levels = c["result"]["levels"]
             ax.plot([lv["concurrency"] for lv in levels], [lv["output_throughput"] for lv in levels], marker="o",
                     label=c["name"])
+            measured.update(lv["concurrency"] for lv in levels)
     ax.set_xscale("log")
+    label_levels(ax, sorted(measured))
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens/s")
     ax.set_title("specserve compare")
@@ -215,4 +241,11 @@ def plot_throughput(comparison: dict, path: str) -> None:
     if ax.lines:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    return fig
+
+
+def label_levels(ax, levels: list[int]) -> None:
+    """Ticks and labels at exactly `levels` on the (log) x axis, no others."""
+    if levels:
+        ax.set_xticks(levels, labels=[str(level) for level in levels])
+        ax.set_xticks([], minor=True)

@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from .client import RequestResult
@@ -78,9 +79,21 @@ def level_table(levels: Iterable[dict], title: str = "") -> Table:
     return table
 
 
+def print_table(table: Table, console: Console) -> None:
+    """Print `table` whole: a console narrower than the table (80 columns when the output is not a terminal)
+    is widened for it, so no cell is cut to "…" (a narrower terminal wraps the long lines instead)."""
+    needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    width = console.width
+    console.width = max(width, needed)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def print_levels(levels: list[dict], title: str = "", console: Optional[Console] = None) -> None:
     console = console or Console()
-    console.print(level_table(levels, title))
+    print_table(level_table(levels, title), console)
     for lv in levels:
         for error in lv["errors"]:
             console.print(f"[red]concurrency {lv['concurrency']}: {error}[/red]")

@@ -1,11 +1,12 @@
 """Prometheus metrics for /metrics, named like vLLM's with a `specserve:` prefix.
 
-Each server has its own CollectorRegistry. Latency histograms are observed as outputs reach the server;
+Each server has its own CollectorRegistry. Request histograms are observed as outputs reach the server;
 engine counters (tokens, speculation) are read from `engine.stats` at scrape time on the event loop
 thread, without locking: they are plain ints the engine thread only ever increases.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, Iterator, Optional
 
@@ -18,6 +19,7 @@ from .streams import OutputStream
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))  # 1, 2, 5, 10, ... 500000
 
 
 class EngineCollector:
@@ -73,36 +75,91 @@ def engine_values(core) -> list[tuple[type, str, str, float]]:
     ]
 
 
-class ServerMetrics:
-    """The server's registry: request latencies observed here, engine counters collected at scrape time."""
+class StepClock:
+    """When the engine's steps end, as the server sees them. The outputs of one engine step reach the event
+    loop together and are handled before its next turn: the first of such a burst marks the step's end,
+    which is also when the engine began its next step."""
 
-    def __init__(self, model_name: str, engine: Callable[[], Optional[AsyncEngine]]):
+    def __init__(self):
+        self.latest = self.previous = float("-inf")  # the latest burst, the one before it
+        self._in_burst = False
+
+    def tick(self, now: float) -> None:
+        """An output reached the server at `now`."""
+        if not self._in_burst:
+            self._in_burst = True
+            self.previous, self.latest = self.latest, now
+            asyncio.get_running_loop().call_soon(self._end_burst)
+
+    def _end_burst(self) -> None:
+        self._in_burst = False
+
+
+class ServerMetrics:
+    """The server's registry: request latencies observed here, engine counters collected at scrape time.
+
+    Per request, as vLLM: queue time (arrival to scheduled), prefill time (scheduled to first token), decode
+    time (first to last token), prompt and generation tokens, and the finish reason, "abort" included. The
+    engine's outputs do not say when a request was scheduled: the server takes the start of the step that
+    gave its first token (the end of the step before it, or the arrival when the engine was idle). With
+    chunked prefill the chunks before the last count as queue time. Aborted requests are observed with what
+    they got; those aborted before their first token have no queue, prefill or decode time.
+    """
+
+    def __init__(self, model_name: str, engine: Callable[[], Optional[AsyncEngine]],
+                 clock: Callable[[], float] = time.monotonic):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
-        labels = ["model_name"]
+        self.clock = clock
+        self.steps = StepClock()
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(model_name)
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"specserve:{name}", doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
 
-        self.ttft = histogram("specserve:time_to_first_token_seconds", "Time from arrival to the first token")
-        self.itl = histogram("specserve:inter_token_latency_seconds", "Time between outputs of a request")
-        self.e2e = histogram("specserve:e2e_request_latency_seconds", "Time from arrival to the last token")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token")
+        self.itl = histogram("inter_token_latency_seconds", "Time between outputs of a request")
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last output")
+        self.queue = histogram("request_queue_time_seconds", "Time from arrival to scheduling (estimated)")
+        self.prefill = histogram("request_prefill_time_seconds", "Time from scheduling to the first token")
+        self.decode = histogram("request_decode_time_seconds", "Time from the first to the last token")
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Output tokens per request", TOKEN_BUCKETS)
         self._finished = Counter("specserve:request_success", "Requests finished, by finish reason",
                                  ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
 
     def on_output(self, stream: OutputStream, out: RequestOutput) -> None:
         """Observe one output as it reaches the server."""
-        now = time.monotonic()
+        now = self.clock()
+        self.steps.tick(now)
+        times = stream.times
         if out.new_token_ids:
-            if stream.last_token_time is None:
-                self.ttft.observe(now - stream.arrival)
+            if times.first_token is None:
+                times.first_token = now
+                times.scheduled = max(times.arrival, self.steps.previous)
+                self.ttft.observe(now - times.arrival)
             else:
-                self.itl.observe(now - stream.last_token_time)
-            stream.last_token_time = now
+                self.itl.observe(now - times.last_token)
+            times.last_token = now
+        times.num_output_tokens = len(out.token_ids)
         if out.finished:
-            self.e2e.observe(now - stream.arrival)
-            self._finished.labels(self._model_name, out.finish_reason).inc()
+            self._ended(stream, out.finish_reason, now)
+
+    def on_abort(self, stream: OutputStream) -> None:
+        """The request ended without a finished output (the server aborted it or its client left)."""
+        self._ended(stream, "abort", self.clock())
+
+    def _ended(self, stream: OutputStream, reason: str, now: float) -> None:
+        times = stream.times
+        self._finished.labels(self._model_name, reason).inc()
+        self.e2e.observe(now - times.arrival)
+        self.prompt_tokens.observe(stream.num_prompt_tokens)
+        self.generation_tokens.observe(times.num_output_tokens)
+        if times.first_token is not None:
+            self.queue.observe(times.scheduled - times.arrival)
+            self.prefill.observe(times.first_token - times.scheduled)
+            self.decode.observe(times.last_token - times.first_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,12 +1,16 @@
-"""ASGI middleware in front of the routes: the API key and the request body size limit. Refusals carry
-OpenAI error bodies."""
+"""ASGI middleware in front of the routes: the API key and the request body size limit (refusals carry
+OpenAI error bodies), and the optional access log."""
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 
 from fastapi.responses import JSONResponse
 
 from .errors import APIError, bad_request
+
+ACCESS_LOG = logging.getLogger("specserve.access")
 
 
 async def _refuse(error: APIError, scope, receive, send) -> None:
@@ -80,3 +84,29 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+class AccessLog:
+    """One log line per HTTP request once its response has ended: client, method, path, status, duration
+    (a stream's duration is the whole stream's; status 0: no response was started)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), 0
+
+        async def send_and_note(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            client = scope.get("client")
+            ACCESS_LOG.info("%s %s %s %d %.3fs", f"{client[0]}:{client[1]}" if client else "-",
+                            scope["method"], scope["path"], status, time.monotonic() - start)

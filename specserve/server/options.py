@@ -24,6 +24,7 @@ class ServerOptions:
     served_model_name: Optional[str] = _opt(None, "model name clients send (default: --model as given)")
     max_queued_requests: int = _opt(1024, "requests that may wait beyond max_num_seqs; more get 429")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests may run after SIGTERM before abort")
+    access_log: bool = _opt(False, "log one line per request: client, method, path, status, duration")
     tool_call_parser: Optional[str] = _opt(None, "turn tool-call blocks in chat output into tool_calls",
                                            TOOL_CALL_PARSERS)
     reasoning_parser: Optional[str] = _opt(None, "split <think>...</think> into reasoning_content",

@@ -3,24 +3,30 @@
 Bind at once and answer /health with 503 while the model loads and warms up in the background; serve;
 on SIGTERM or SIGINT drain: refuse new requests with 503, let those in flight finish for up to
 `shutdown_timeout` seconds, abort the rest (a stream then ends with finish_reason "abort"), and exit 0.
-A second signal aborts at once. A model that fails to load exits 1; an engine that fails while serving
-turns /health to 503 and ends every request with a 500 error. An engine that lost a tensor-parallel rank
-cannot recover: the server also ends (its other ranks with it) and exits 1, so a supervisor restarts it.
+A second signal aborts at once. User mistakes found at start-up end it with one line and no traceback: a
+port that cannot be bound (a ConfigError from `run`), a missing model folder or a bad option (checked by
+`specserve serve` before it calls `run`). A model that fails to load exits 1; an engine that fails while
+serving turns /health to 503 and ends every request with a 500 error. An engine that lost a
+tensor-parallel rank cannot recover: the server also ends (its other ranks with it) and exits 1, so a
+supervisor restarts it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 from typing import Optional
 
 import uvicorn
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..sampling_params import SamplingParams
 from .app import build_app
+from .middleware import AccessLog
 from .options import ServerOptions
 from .state import Phase, ServerState, engine_failure
 
@@ -99,7 +105,8 @@ class Lifecycle:
                 return
             await warm_up(engine)
         except Exception as e:
-            log.error("the model could not be loaded: %s", e, exc_info=e)
+            user_mistake = isinstance(e, (ConfigError, FileNotFoundError))  # no traceback for those
+            log.error("the model could not be loaded: %s", e, exc_info=None if user_mistake else e)
             self.state.startup_error = e
             self.state.phase = Phase.FAILED
             self.exit_code = 1
@@ -158,17 +165,36 @@ class Lifecycle:
             await asyncio.to_thread(self.state.engine.shutdown)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, before the model loads, so that a taken port fails at once; a
+    ConfigError that names the port and the flag to change when it cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another server?): choose another "
+                              f"port with --port") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}: check --host and --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(engine_config: EngineConfig, options: ServerOptions) -> int:
-    """Serve until SIGTERM or SIGINT. Returns the exit code: 0, or 1 when the model failed to load. A port
-    that cannot be bound exits at once with uvicorn's startup-failure code, 3."""
+    """Serve until SIGTERM or SIGINT. Returns the exit code: 0, or 1 when the model failed to load. Raises
+    ConfigError at once when the port cannot be bound."""
+    sock = listen(options.host, options.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ServerState(options, options.served_model_name or engine_config.model.model or DEFAULT_MODEL_NAME)
     lifecycle = Lifecycle(state, engine_config)
     app = build_app(state, lifespan=lifecycle.lifespan)
-    config = uvicorn.Config(app, host=options.host, port=options.port, http="h11", loop="asyncio",
-                            lifespan="on", access_log=False, timeout_graceful_shutdown=SEND_GRACE_S)
+    config = uvicorn.Config(AccessLog(app) if options.access_log else app, host=options.host, port=options.port,
+                            http="h11", loop="asyncio", lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=SEND_GRACE_S)
     server = _Server(config, lifecycle.on_signal)
     lifecycle.server = server
-    sock = config.bind_socket()  # before the model loads, so that a taken port fails at once
+    log.info("listening on http://%s:%d, serving %r", options.host, sock.getsockname()[1], state.model_name)
     server.run(sockets=[sock])
     return lifecycle.exit_code

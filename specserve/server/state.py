@@ -43,7 +43,7 @@ class ServerState:
     def attach(self, engine: AsyncEngine) -> None:
         """Take the loaded engine (the server starts serving once it is warmed: `phase`)."""
         capacity = engine.engine.config.scheduler.max_num_seqs + self.options.max_queued_requests
-        self.requests = RequestRegistry(engine, capacity, self.metrics.on_output)
+        self.requests = RequestRegistry(engine, capacity, self.metrics)
         self.token_text = TokenText(engine.tokenizer)
         self.engine = engine
 

@@ -3,13 +3,15 @@
 A pump task iterates the engine's stream for the request and queues what arrives, so the request can be
 ended from outside (shutdown, engine failure) by cancelling the pump: its only await is on the engine, and
 cancelling it there closes the engine's stream, which aborts the request and frees its KV at once. The
-handler reading the queue closes the stream when it stops early (a client that went away).
+handler reading the queue closes the stream when it stops early (a client that went away). An observer
+(the metrics) sees every output and every request that ends without a finished output (an abort).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable, Optional
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Optional, Protocol
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import RequestOutput
@@ -21,16 +23,34 @@ class RequestAborted(Exception):
     """The server ended the request before it finished (the message says why)."""
 
 
+@dataclass
+class RequestTimes:
+    """What the server saw of one request (time.monotonic() seconds), filled in by the observer."""
+
+    arrival: float
+    scheduled: Optional[float] = None  # estimated: when the engine began the step that gave the first token
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    num_output_tokens: int = 0
+
+
+class StreamObserver(Protocol):
+    def on_output(self, stream: "OutputStream", out: RequestOutput) -> None:
+        """An output of `stream` reached the server."""
+
+    def on_abort(self, stream: "OutputStream") -> None:
+        """`stream` ended without a finished output: aborted by the server or by a client that left."""
+
+
 class OutputStream:
     """The outputs of one submitted request, in order; ends after the finished output."""
 
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 on_output: Callable[["OutputStream", RequestOutput], None]):
+                 observer: StreamObserver):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
-        self.arrival = time.monotonic()
-        self.last_token_time: Optional[float] = None
-        self._on_output = on_output
+        self.times = RequestTimes(arrival=time.monotonic())
+        self._observer = observer
         self._queue: asyncio.Queue = asyncio.Queue()
         self._abort_reason = "the request was cancelled"
         self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params), name=f"pump-{request_id}")
@@ -38,11 +58,12 @@ class OutputStream:
 
     async def _pump(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams) -> None:
         async for out in engine.generate(prompt_ids, params, self.request_id):
-            self._on_output(self, out)
+            self._observer.on_output(self, out)
             self._queue.put_nowait(out)
 
     def _pump_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
+            self._observer.on_abort(self)
             self._queue.put_nowait(RequestAborted(self._abort_reason))
         elif task.exception() is not None:
             self._queue.put_nowait(task.exception())
@@ -100,11 +121,10 @@ class RequestRegistry:
     server waits for the set to empty, then aborts what is left.
     """
 
-    def __init__(self, engine: AsyncEngine, capacity: int,
-                 on_output: Callable[[OutputStream, RequestOutput], None]):
+    def __init__(self, engine: AsyncEngine, capacity: int, observer: StreamObserver):
         self.engine = engine
         self.capacity = capacity
-        self._on_output = on_output
+        self._observer = observer
         self._streams: set[OutputStream] = set()
         self._empty = asyncio.Event()
         self._empty.set()
@@ -116,7 +136,7 @@ class RequestRegistry:
         if len(self._streams) >= self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self._streams)} requests in flight, "
                                 f"limit {self.capacity}): retry later", "rate_limit_error", code="queue_full")
-        stream = OutputStream(self.engine, prompt_ids, params, request_id, self._on_output)
+        stream = OutputStream(self.engine, prompt_ids, params, request_id, self._observer)
         self._streams.add(stream)
         self._empty.clear()
         stream.add_done_callback(self._discard)
