@@ -24,6 +24,7 @@ import time
 from specserve import LLM, SamplingParams
 from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET
 
+
 def configs(draft: str) -> dict:
     return {
         "plain": dict(speculative_algorithm="none"),
@@ -55,7 +56,8 @@ def acceptance(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     drafts = s.num_drafts - drafts0
     per_pos = [(a - (pos0[i] if i < len(pos0) else 0)) / drafts for i, a in enumerate(s.accepted_per_position)]
     return {"mean_acceptance_length": 1 + (s.num_accepted_tokens - acc0) / drafts, "drafts": drafts,
-            "accepted_per_position": [round(p, 3) for p in per_pos[:llm.engine.config.speculative.speculative_num_steps]]}
+            "accepted_per_position": [round(p, 3) for p in
+                                      per_pos[:llm.engine.config.speculative.speculative_num_steps]]}
 
 
 def function_headers(texts: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:

@@ -159,7 +159,8 @@ def main() -> None:
     longest = args.system_tokens + args.turns * (args.message_tokens + args.max_tokens)
     private = -(-(longest - args.system_tokens) // BLOCK) + 1
     working_set = args.system_tokens // BLOCK + args.sessions * private
-    pool_small = args.small_pool_blocks or max(working_set // 2, args.system_tokens // BLOCK + 2 * args.concurrency * private)
+    pool_small = args.small_pool_blocks or max(working_set // 2,
+                                               args.system_tokens // BLOCK + 2 * args.concurrency * private)
     common = dict(model=args.model, device=args.device, max_model_len=longest + 64, block_size=BLOCK,
                   max_num_seqs=args.concurrency, speculative_algorithm=args.speculative_algorithm,
                   load_format=args.load_format)
@@ -210,7 +211,8 @@ def fresh_cache(engine: LLMEngine) -> LLMEngine:
 
 def cache_stats(engine: LLMEngine) -> dict:
     c, host = engine.stats.prefix_cache, engine.blocks.host
-    return {"hit_rate": c.hit_rate, "device_hit_rate": c.device_hit_rate, "host_hit_rate": c.host_hit_rate, "evicted_blocks": c.num_evicted_blocks,
+    return {"hit_rate": c.hit_rate, "device_hit_rate": c.device_hit_rate, "host_hit_rate": c.host_hit_rate,
+            "evicted_blocks": c.num_evicted_blocks,
             "host_saved_blocks": c.num_host_saved_blocks, "host_loaded_blocks": c.num_host_loaded_blocks,
             "host_slots": host.num_slots if host else 0, "preemptions": engine.stats.num_preemptions,
             "mean_acceptance_length": engine.stats.spec.mean_acceptance_length}
@@ -224,12 +226,14 @@ def report(results: dict, rounds: list[dict], args, pool_small: int, working_set
     for name, r in results.items():
         ratio = f"{r['mean_ttft_ms'] / base['mean_ttft_ms']:.2f}" if base else "-"
         print(f"| {name} | {r['mean_ttft_ms']:.1f} | {r['median_ttft_ms']:.1f} | {r['p90_ttft_ms']:.1f} | {ratio} | "
-              f"{r['output_throughput']:.1f} | {r['hit_rate']:.2f} ({r['device_hit_rate']:.2f} + {r['host_hit_rate']:.2f}) "
+              f"{r['output_throughput']:.1f} | {r['hit_rate']:.2f} "
+              f"({r['device_hit_rate']:.2f} + {r['host_hit_rate']:.2f}) "
               f"| {r['evicted_blocks']} | {r['host_saved_blocks']} / {r['host_loaded_blocks']} "
               f"({r['host_save_ms']:.1f} / {r['host_load_ms']:.1f}) | {r['draft_flush_ms']:.1f} |")
     print(f"\noutputs identical across configurations: {same}")
     if args.out:
-        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
         meta = dict(vars(args), commit=commit, pool_small=pool_small, working_set_blocks=working_set,
                     system_prompt_tokens=system_len, outputs_identical=same, load_average_end=os.getloadavg()[0])
         best = {k: {n: v for n, v in r.items() if n != "outputs"} for k, r in results.items()}

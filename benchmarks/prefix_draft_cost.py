@@ -61,7 +61,8 @@ def main() -> None:
     full_match = cached.blocks.match
     short_match = lambda seq: _drop_last(full_match(seq))  # noqa: E731
     rows: dict[str, list[tuple[float, float]]] = {"cached (shipped)": [], "hit one block shorter": [], "off": []}
-    runs = {"cached (shipped)": (cached, full_match), "hit one block shorter": (cached, short_match), "off": (off, None)}
+    runs = {"cached (shipped)": (cached, full_match), "hit one block shorter": (cached, short_match),
+            "off": (off, None)}
     for trial in range(args.trials):
         new = [5 + (trial * 131 + j * 17) % 4000 for j in range(args.new_tokens)]
         names = list(runs)[trial % 3:] + list(runs)[:trial % 3]  # rotate the order: noise hits all alike

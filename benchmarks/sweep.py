@@ -110,9 +110,11 @@ def main() -> None:
         for name, rs in runs.items():
             results[name][c] = dict(sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2],
                                     rounds=[round(r["output_throughput"], 1) for r in rs])
-        row = "  ".join(f"{n} {results[n][c]['output_throughput']:7.1f} ({results[n][c]['output_throughput'] / results['plain'][c]['output_throughput']:.2f}x)"
-                        if "plain" in results else f"{n} {results[n][c]['output_throughput']:7.1f}" for n in engines)
-        print(f"C={c:<4} {row}  adaptive mean k {results.get('adaptive', {}).get(c, {}).get('mean_k', 0):.2f}", flush=True)
+        tput = {n: results[n][c]["output_throughput"] for n in engines}
+        row = "  ".join(f"{n} {tput[n]:7.1f}" + (f" ({tput[n] / tput['plain']:.2f}x)" if "plain" in tput else "")
+                        for n in engines)
+        mean_k = results.get("adaptive", {}).get(c, {}).get("mean_k", 0)
+        print(f"C={c:<4} {row}  adaptive mean k {mean_k:.2f}", flush=True)
         if args.out:  # after every level, so a run cut short keeps what it measured
             json.dump(results, open(args.out, "w"), indent=1)
 

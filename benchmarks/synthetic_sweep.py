@@ -10,12 +10,12 @@ For each configuration (plain, a chain of 3 speculating every step, the default 
 step, the threshold policy at SGLang's batch threshold, and the adaptive controller) and each acceptance
 profile, one engine keeps C requests in flight (closed loop) until max(requests, C) have finished, at
 every level C; output tokens/s per level. The prefix cache is off unless `--prefix-caching`: the levels
-reuse one prompt list, so with it on, later levels and profiles would skip prefills earlier ones paid. Prompts are random token ids of log-uniform length between
---prompt-len-min and --prompt-len-max (default 256-2048, median ~720: coding and agent prompts), the same
-for every configuration; 200 greedy tokens each, EOS ignored. `--requests` may be one number or one per
-level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once per
-configuration; the profiles run on it in turn, the controller's learned acceptance reset between them
-and `--warmup` requests run first.
+reuse one prompt list, so with it on, later levels and profiles would skip prefills earlier ones paid.
+Prompts are random token ids of log-uniform length between --prompt-len-min and --prompt-len-max
+(default 256-2048, median ~720: coding and agent prompts), the same for every configuration; 200
+greedy tokens each, EOS ignored. `--requests` may be one number or one per level. One engine at a time
+(an 8B engine holds ~16 GB of weights and its graphs), built once per configuration; the profiles run on
+it in turn, the controller's learned acceptance reset between them and `--warmup` requests run first.
 
 Profiles (entry i: probability that the first i+1 drafts are accepted):
 - shipped: the shipped pair's measured rates (README: chain 0.77 0.61 0.53; tree 0.88 0.70 0.54 0.43 0.33);

@@ -23,12 +23,11 @@ import time
 from collections import Counter
 
 import torch
+from prefix_cache import timed  # benchmarks/ is on sys.path when run as a script
 
 from specserve import LLM, SamplingParams
 from specserve.engine.distributed import Ranks
 from specserve.layers.parallel import TensorParallel
-
-from prefix_cache import timed  # benchmarks/ is on sys.path when run as a script
 
 PROMPTS = ["def read_config(path):\n", "class LRUCache:\n    def __init__(self, capacity):\n",
            "import os\nimport sys\n\n\ndef main(argv):\n", "    def __repr__(self):\n"]

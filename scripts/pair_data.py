@@ -12,7 +12,8 @@ import importlib.util
 import os
 import shutil
 
-_spec = importlib.util.spec_from_file_location("train_target", os.path.join(os.path.dirname(__file__), "train_target.py"))
+_spec = importlib.util.spec_from_file_location("train_target",
+                                               os.path.join(os.path.dirname(__file__), "train_target.py"))
 train_target = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_target)
 

@@ -91,7 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return code
     engine = LLMEngine(config)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed if args.temperature > 0 else None, max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+                            seed=args.seed if args.temperature > 0 else None, max_tokens=args.max_tokens,
+                            stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

@@ -127,7 +127,8 @@ class SpeculativeConfig:
         n = self.speculative_num_draft_tokens
         if n is None:
             n = self.speculative_num_steps + 1 if self.speculative_eagle_topk == 1 else \
-                min(8, 1 + self.speculative_eagle_topk + (self.speculative_num_steps - 1) * self.speculative_eagle_topk ** 2)
+                min(8, 1 + self.speculative_eagle_topk
+                    + (self.speculative_num_steps - 1) * self.speculative_eagle_topk ** 2)
         return replace(self, speculative_num_draft_tokens=n)
 
 

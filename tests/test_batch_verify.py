@@ -7,8 +7,13 @@ import random
 import torch
 
 from specserve import SamplingParams
-from specserve.speculative.batch_verify import (draw_verify_random, sampling_probs, verify_batch, verify_greedy_chains,
-                                         verify_batch_params)
+from specserve.speculative.batch_verify import (
+    draw_verify_random,
+    sampling_probs,
+    verify_batch,
+    verify_batch_params,
+    verify_greedy_chains,
+)
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import verify, verify_greedy, verify_sampling
 

@@ -30,7 +30,8 @@ def feed(c: Controller, batch: int, cost, accept: float, steps: int = 400, noise
 
 
 def draft_runs(chosen: list[Shape]) -> int:
-    """How many times the controller left plain decoding (a probe is one run: a catch-up, then `min_samples` timed steps)."""
+    """How many times the controller left plain decoding (a probe is one run: a catch-up, then `min_samples`
+    timed steps)."""
     return sum(s != PLAIN and (i == 0 or chosen[i - 1] == PLAIN) for i, s in enumerate(chosen))
 
 

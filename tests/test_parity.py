@@ -5,7 +5,7 @@ import pytest
 
 from specserve import SamplingParams
 
-from .conftest import DEVICE, make_llm, ARCHS, assert_pool_full, hf_greedy, make_hf_checkpoint, mixed_prompts
+from .conftest import ARCHS, DEVICE, assert_pool_full, hf_greedy, make_hf_checkpoint, make_llm, mixed_prompts
 
 NEW_TOKENS = 64
 
@@ -66,4 +66,5 @@ def test_sharded_checkpoint(tmp_path):
     prompts = mixed_prompts(3, 256, seed=3)
     want = hf_greedy(src, prompts, 16)
     llm = make_llm(str(tmp_path / "sharded"))
-    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))] == want
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from specserve import ConfigError, RequestError, SamplingParams
-from specserve.engine.async_engine import AsyncEngine
 from specserve.config import EngineConfig
+from specserve.engine.async_engine import AsyncEngine
 from specserve.models import UnsupportedModel, WeightError
 
-from .conftest import engine_options, make_llm, assert_pool_full, hf_greedy, mixed_prompts
+from .conftest import assert_pool_full, engine_options, hf_greedy, make_llm, mixed_prompts
 
 
 @pytest.fixture(scope="module")

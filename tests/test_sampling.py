@@ -6,7 +6,7 @@ import torch
 
 from specserve import SamplingParams
 
-from .conftest import make_llm, assert_pool_full, mixed_prompts
+from .conftest import assert_pool_full, make_llm, mixed_prompts
 from .stats import chi_square_pvalue, reference_distribution
 
 N = 3000

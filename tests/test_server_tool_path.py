@@ -74,8 +74,9 @@ def scripted_server(tmp_path_factory):
     assert srv.stop() == 0, srv.output()
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": CITY}}]
 
 
 def test_tool_call_and_reasoning_non_streamed(scripted_server):

@@ -47,7 +47,8 @@ if DEVICE["name"] == "cuda":  # on CUDA the default engine replays graphs; check
 def test_greedy_lossless(pair, plain_outputs, spec, engine):
     target, draft = pair
     prompts, want = plain_outputs
-    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_policy="always",
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_policy="always",
                    **spec, **ENGINES[engine])
     for batch in (prompts[:1], prompts):
         outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))

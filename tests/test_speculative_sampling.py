@@ -34,7 +34,8 @@ def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", [dict(speculative_num_steps=2, speculative_eagle_topk=1),
-                                  dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)],
+                                  dict(speculative_num_steps=3, speculative_eagle_topk=4,
+                                       speculative_num_draft_tokens=8)],
                          ids=["chain", "tree"])
 def test_emitted_distribution_matches_target(pair, spec):
     target, draft = pair

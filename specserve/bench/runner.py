@@ -16,8 +16,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .client import (BenchError, Endpoint, RequestResult, acceptance_length, send_request, served_model,
-                     spec_counters)
+from .client import BenchError, Endpoint, RequestResult, acceptance_length, send_request, served_model, spec_counters
 from .datasets import Prompt, load_dataset
 from .options import SweepOptions
 from .report import summarize_level

@@ -45,7 +45,8 @@ class GraphRunner:
         self.model, self.block_size, self.aux_layers, self.group = model, block_size, aux_layers, group
         self.scratch_slot, self.device = scratch_slot, device
         sizes = capture_sizes(max_bs)
-        self.sizes = {q: [b for b in sizes if b * q <= max(max_graph_tokens, max_bs)] for q in sorted(set(tokens_per_seq))}
+        most = max(max_graph_tokens, max_bs)
+        self.sizes = {q: [b for b in sizes if b * q <= most] for q in sorted(set(tokens_per_seq))}
         most_tokens = max(b * q for q, bs in self.sizes.items() for b in bs)
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(most_tokens, **i64)

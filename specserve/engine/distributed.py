@@ -13,7 +13,8 @@ launcher and they meet at MASTER_ADDR:MASTER_PORT.
 Lifetime: a worker started by rank 0 ignores SIGINT and SIGTERM (rank 0 drains, then ends it) and exits
 at once (code 0) when its stdin closes, which happens when rank 0 closes the group or dies. Rank 0 waits on
 every worker it started; one that exits unasked (or fails while the group closes: its death may be why)
-sets `failure`, the other workers are ended, and every later `send` raises. Under a launcher, a lost rank shows as a failed collective instead.
+sets `failure`, the other workers are ended, and every later `send` raises. Under a launcher, a lost rank
+shows as a failed collective instead.
 """
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ from ..config import EngineConfig
 from ..device import to_device
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
-from .block_manager import make_block_manager
-from .detokenizer import IncrementalDetokenizer
 from ..speculative.controller import PLAIN, Shape
 from ..speculative.decoder import SpecDecoder
+from .block_manager import make_block_manager
+from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardOutput, ModelRunner
 from .scheduler import Scheduler
 from .sequence import ScheduledSeq, Sequence, TokenLogprob

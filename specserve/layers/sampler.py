@@ -69,7 +69,8 @@ class Sampler:
         if random_rows:
             rows = to_device(random_rows, torch.long, logits.device)
             sub_params = [params[i] for i in random_rows]
-            sampled = sample_from_logits(filtered_logits(logits[rows], sub_params), [generators[i] for i in random_rows])
+            sampled = sample_from_logits(filtered_logits(logits[rows], sub_params),
+                                         [generators[i] for i in random_rows])
             tokens[rows] = sampled
         return tokens
 

@@ -172,7 +172,8 @@ def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: to
     """[num_tokens] int64 bitmasks of a step's queries (0 for sequences without a tree)."""
     if all(t is not None for t in trees) and len({tuple(t.shape) for t in trees}) == 1:
         return tree_bitmask(to_device(torch.stack(trees), torch.bool, device)).reshape(-1)
-    parts = [tree_bitmask(to_device(t, torch.bool, device)) if t is not None else torch.zeros(q, dtype=torch.long, device=device)
+    parts = [tree_bitmask(to_device(t, torch.bool, device)) if t is not None
+             else torch.zeros(q, dtype=torch.long, device=device)
              for t, q in zip(trees, q_lens)]
     return torch.cat(parts)
 
@@ -213,5 +214,6 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
     slots = new_token_slots(q_lens, seq_lens, block_tables, block_size)
     return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(padded_tables(block_tables)),
                           seq_lens=t(seq_lens), q_starts=t(q_starts), q_lens=t(q_lens),
-                          tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens), tile_seq=t(tile_seq),
+                          tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
+                          tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size)

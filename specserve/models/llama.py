@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layers import triton_ops
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from ..layers import triton_ops
 from ..layers.triton_attention import TritonMetadata
 from .config import ArchConfig
 

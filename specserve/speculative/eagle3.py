@@ -147,7 +147,7 @@ class Eagle3Draft(nn.Module):
 
 
 def _draft_tensors(folder: str):
-    from .. models.loader import iterate_tensors
+    from ..models.loader import iterate_tensors
 
     bin_path = os.path.join(folder, "pytorch_model.bin")
     if any(f.endswith(".safetensors") for f in os.listdir(folder)):

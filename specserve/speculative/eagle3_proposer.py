@@ -23,8 +23,8 @@ from ..device import to_device
 from ..engine.sequence import Sequence
 from ..layers.attention import build_metadata
 from ..models import ArchConfig
-from .eagle3 import Eagle3Draft, load_eagle3
 from .controller import Shape
+from .eagle3 import Eagle3Draft, load_eagle3
 from .proposer import Proposer
 from .synthetic import SyntheticAcceptance
 from .tree import DraftTree, select_trees
@@ -124,7 +124,8 @@ class Eagle3Proposer(Proposer):
         cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=self.device)]
         expanded = torch.arange(k, device=self.device).expand(batch, k)  # candidate index of each expanded node
         h_in = hidden.unsqueeze(1).expand(batch, k, hidden.shape[-1])  # [B, K, H]
-        ancestors = torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)  # [B, K, K] over expanded nodes so far
+        # [B, K, K] ancestry over the nodes expanded so far
+        ancestors = torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)
         exp_scores = scores
         for depth in range(1, shape.steps):
             tokens = torch.cat(cand_tokens, 1).gather(1, expanded)  # [B, K]

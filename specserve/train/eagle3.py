@@ -232,7 +232,8 @@ def train(opts: TrainOptions) -> dict:
     torch.manual_seed(opts.seed)
     arch = ArchConfig.from_dict(read_config(opts.target))
     if opts.seq_len + opts.ttt_steps > arch.max_position_embeddings:
-        raise ValueError(f"seq-len {opts.seq_len} + ttt-steps exceeds the target's {arch.max_position_embeddings} positions")
+        raise ValueError(f"seq-len {opts.seq_len} + ttt-steps exceeds the target's "
+                         f"{arch.max_position_embeddings} positions")
     tok = AutoTokenizer.from_pretrained(opts.target)
     rows = pack_rows(tokenize_files(tok, opts.data), opts.seq_len, tok.eos_token_id)
     if opts.self_distill:
