@@ -1,27 +1,42 @@
-"""The routes. Every error a client can get is an OpenAI error body, FastAPI's own 404/405 included."""
+"""The routes. Every error a client can get is an OpenAI error body, FastAPI's own 404/405 included; 429 and
+503 carry Retry-After. /openapi.json and /docs describe the API with the models of `protocol`."""
 from __future__ import annotations
 
 import logging
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
-from .errors import APIError, server_error
+from .errors import APIError, retry_after, server_error
 from .middleware import ApiKey, BodyLimit
+from .protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+)
 from .state import ServerState
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics")  # no API key needed
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")  # no API key needed
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)  # the routes read them from the raw request
 
 
 def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -38,9 +53,45 @@ async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     return _error_response(server_error(f"internal error: {exc!r}"))
 
 
+def _errors(*statuses: int) -> dict:
+    """OpenAPI `responses` entries for these error statuses."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+def _generation_docs(request_model, response_model) -> dict:
+    """Route arguments that document a generation endpoint: its JSON body, its JSON or SSE answer, errors."""
+    body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}},
+            "required": True}
+    sse = {"description": "the body, or with stream=true server-sent events: chunks, then `data: [DONE]`",
+           "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return dict(response_model=response_model, openapi_extra={"requestBody": body},
+                responses={200: sse, **_errors(400, 401, 413, 429, 500, 503)})
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the request models of the generation routes (it cannot see them: the routes
+    read the raw request), less the 422 FastAPI documents but this app never sends."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(defs["$defs"])
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def build_app(state: ServerState, lifespan=None) -> FastAPI:
     """The FastAPI app over `state`, with the API key and body limit in front."""
-    app = FastAPI(title="specserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, redoc_url=None,
+                  swagger_ui_oauth2_redirect_url=None,
+                  description="OpenAI-compatible completions and chat completions, with vLLM's sampling extras.")
+    app.openapi = lambda: _openapi(app)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_unexpected)
@@ -49,31 +100,40 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app.state.server = state
     created = int(time.time())
 
-    @app.get("/health")
+    def model_card() -> dict:
+        engine = state.serving_engine()
+        return {"id": state.model_name, "object": "model", "created": created, "owned_by": "specserve",
+                "max_model_len": engine.engine.config.model.max_model_len}
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
         status, body = state.health()
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=retry_after(status))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/server_info")
+    @app.get("/server_info", response_model=dict, responses=_errors(401))
     async def server_info() -> JSONResponse:
         return JSONResponse(state.info())
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 500, 503))
     async def models() -> JSONResponse:
-        engine = state.serving_engine()
-        card = {"id": state.model_name, "object": "model", "created": created, "owned_by": "specserve",
-                "max_model_len": engine.engine.config.model.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.post("/v1/completions")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 500, 503))
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != state.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions", **_generation_docs(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_generation_docs(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 

@@ -1,9 +1,18 @@
-"""Errors as OpenAI clients expect them: `{"error": {"message", "type", "param", "code"}}`."""
+"""Errors as OpenAI clients expect them: `{"error": {"message", "type", "param", "code"}}`; 429 and 503 also
+carry a Retry-After header."""
 from __future__ import annotations
 
 from typing import Optional
 
 from pydantic import ValidationError
+
+RETRY_AFTER_S = {429: 1, 503: 5}  # the Retry-After header of these statuses, in seconds
+
+
+def retry_after(status: int) -> Optional[dict[str, str]]:
+    """The Retry-After header for a response of this status (429 and 503), or None."""
+    seconds = RETRY_AFTER_S.get(status)
+    return {"Retry-After": str(seconds)} if seconds is not None else None
 
 
 class APIError(Exception):
@@ -20,6 +29,10 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @property
+    def headers(self) -> Optional[dict[str, str]]:
+        return retry_after(self.status)
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -62,8 +75,6 @@ def from_validation_error(err: ValidationError) -> APIError:
     same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
     loc = _common_prefix([e["loc"] for e in same_field])
     param = _param(loc or first["loc"])
-    if first["type"] == "extra_forbidden":
-        return bad_request(f"unknown field {param!r}", param, "unknown_field")
     if first["type"] == "missing":
         return bad_request(f"{param} is required", param, "missing_field")
     messages = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in same_field))

@@ -30,6 +30,8 @@ class ServerOptions:
     reasoning_parser: Optional[str] = _opt(None, "split <think>...</think> into reasoning_content",
                                            REASONING_PARSERS)
     max_body_bytes: int = _opt(4 * 2**20, "largest request body accepted; larger ones get 413")
+    strict_request_fields: bool = _opt(False, "refuse unknown request fields with 400 (default: ignore them, "
+                                              "with a warning naming them, as vLLM does)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,6 +51,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     for f in fields(ServerOptions):
         kind = f.type.replace("Optional[", "").rstrip("]")
+        if kind == "bool":
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true",
+                               default=f.default, help=f.metadata["help"])
+            continue
         caster = {"int": int, "float": float}.get(kind, str)
         default = f" (default: {f.default})" if f.default is not None and f.name != "api_key" else ""
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=caster, default=f.default,

@@ -1,38 +1,92 @@
-"""Request bodies of the OpenAI API, as strict pydantic models.
+"""Request and response bodies of the OpenAI API, as pydantic models (they are also /openapi.json's schemas).
 
-Strict: "5" is not an integer and unknown fields are refused, so a typo fails loudly instead of being
-ignored. Options specserve does not implement are accepted only at their neutral value (`n` 1,
-penalties 0, no `logit_bias`) and refused otherwise with a message naming the field. `top_k`, `min_p`,
-`ignore_eos` and `stop_token_ids` are extra sampling fields, as in vLLM.
+Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON
+Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
+refuse them under --strict-request-fields. Known options that would change the output but that specserve
+does not implement are accepted only at their neutral value (`n` 1, penalties 0, `repetition_penalty` 1,
+no `logit_bias`, ...) and refused otherwise with a message naming the field, never silently ignored.
+`top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extra sampling fields, as in vLLM. Stop strings
+must not be empty: `"stop": ""` and `"stop": [""]` are both refused.
+
+The response models describe the non-streamed bodies exactly as the server writes them.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ..sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
 
 
+def _whole(value):
+    """A float with no fractional part is the integer it names (JSON Schema's view); other floats fail."""
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be a whole number")
+        return int(value)
+    return value
+
+
+# integer types (constraints before the validator, so that the JSON schema shows them)
+Int = Annotated[int, BeforeValidator(_whole)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), BeforeValidator(_whole)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_whole)]
+StopString = Annotated[str, Field(min_length=1)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Strict types; unknown fields are dropped here and found by `unknown_fields`."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def unknown_fields(body: Any, data: Any, prefix: str = "") -> list[str]:
+    """Dotted paths (`messages.0.refusal`) of the fields of `data`, the parsed JSON, that `body`, the model
+    validated from it, ignored."""
+    if isinstance(body, BaseModel) and isinstance(data, dict):
+        found = []
+        for key, value in data.items():
+            if key in type(body).model_fields:
+                found += unknown_fields(getattr(body, key), value, f"{prefix}{key}.")
+            else:
+                found.append(prefix + key)
+        return found
+    if isinstance(body, list) and isinstance(data, list):
+        return [path for i, (b, d) in enumerate(zip(body, data)) for path in unknown_fields(b, d, f"{prefix}{i}.")]
+    return []
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the running usage
 
 
-# OpenAI fields specserve does not implement: (the one value accepted besides null, why others are refused)
+# Options that change the output and that specserve does not implement:
+# (the one value accepted besides null, why others are refused)
 UNSUPPORTED = {
     "n": (1, "only n=1 is supported: send separate requests for more choices"),
     "best_of": (1, "only best_of=1 is supported"),
     "presence_penalty": (0, "penalties are not supported: only 0 is accepted"),
     "frequency_penalty": (0, "penalties are not supported: only 0 is accepted"),
+    "repetition_penalty": (1, "penalties are not supported: only repetition_penalty 1 is accepted"),
     "logit_bias": ({}, "logit_bias is not supported"),
+    "min_tokens": (0, "min_tokens is not supported: only 0 is accepted"),
+    "use_beam_search": (False, "beam search is not supported"),
+    "guided_json": (None, "structured output is not supported"),
+    "guided_regex": (None, "structured output is not supported"),
+    "guided_choice": (None, "structured output is not supported"),
+    "guided_grammar": (None, "structured output is not supported"),
+    "structured_outputs": (None, "structured output is not supported"),
     "echo": (False, "echo is not supported"),
     "suffix": (None, "suffix is not supported"),
+    "functions": (None, "functions is not supported: use tools"),
+    "function_call": (None, "function_call is not supported: use tools and tool_choice"),
 }
 
 
@@ -49,27 +103,46 @@ class SamplingRequest(_Strict):
     model: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[PositiveInt] = None
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    n: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    n: Optional[Int] = None
+    stop: Optional[Union[StopString, list[StopString]]] = None
+    seed: Optional[Seed] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None  # OpenAI's end-user id: accepted, has no effect
     # vLLM-style extras
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
+    top_k: Optional[TopK] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[Int] = None
+    use_beam_search: Optional[bool] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
 
     _unsupported = field_validator(*UNSUPPORTED, check_fields=False)(_neutral_only)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _no_empty_stop(cls, v):
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop strings must not be empty")
+        return v
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -88,11 +161,11 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt: Union[str, list[Int], list[str], list[list[Int]]]
+    logprobs: Optional[NumLogprobs] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int] = None
 
     @field_validator("prompt")
     @classmethod
@@ -143,17 +216,26 @@ class Tool(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text"]
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if isinstance(v, str) and v != "text":
+            raise ValueError(f"{v!r} is not supported: only 'text'")
+        return v
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[PositiveInt] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[NumLogprobs] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tool_choice: Optional[Literal["auto", "none"]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
 
     @field_validator("messages")
     @classmethod
@@ -162,7 +244,7 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("messages must not be empty")
         return v
 
-    @field_validator("tool_choice")
+    @field_validator("tool_choice", mode="before")
     @classmethod
     def _auto_or_none(cls, v):
         if v not in (None, "auto", "none"):
@@ -189,3 +271,119 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_tools(self) -> Optional[list[dict[str, Any]]]:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+# ---- responses ----------------------------------------------------------------------------------
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # the server sends no other field
+
+
+def _sometimes(description: str):
+    """A field the server leaves out at times, never null when present."""
+    return Field(None, description=description, json_schema_extra=lambda schema: schema.pop("default", None))
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+
+
+class ToolCallFunction(_Response):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class ChatCompletionMessage(_Response):
+    role: Literal["assistant"]
+    content: Optional[str]
+    reasoning_content: Optional[str] = Field(None, description="present when the server has a reasoning parser")
+    tool_calls: list[ToolCall] = _sometimes("present when the output holds tool calls")
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatCompletionMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"]
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail
+
+
+class Health(_Response):
+    status: Literal["ok", "starting", "draining", "failed"]
+    error: str = _sometimes("why the model failed to load or the engine stopped")
