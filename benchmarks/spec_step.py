@@ -4,7 +4,7 @@
 
 Per configuration and batch size: wall ms per decode step, output tokens per request per step, the
 engine's draft and verify time per step, and the device-kernel ms per step from the torch profiler (a
-second, profiled window). `8b`: the Llama-3.1-8B shape and its EAGLE-3 drafter shape with dummy bf16
+second, profiled window), after a warm-up pass over every batch size. `8b`: the Llama-3.1-8B shape and its EAGLE-3 drafter shape with dummy bf16
 weights (the drafts accept nothing, so steps stay at the full shape); `tiny`: the shipped pair. Prompts
 are 200 random token ids. The ratio of a speculative step's wall time to its kernel time is the host's
 share; the ratio to a plain step is what the controller weighs against the tokens a verify gains.
@@ -101,6 +101,8 @@ def main() -> None:
     for name in args.configs.split(","):
         engine = LLMEngine(EngineConfig.from_options(device=args.device, max_model_len=1024, max_num_seqs=max(batches),
                                                      kv_cache_gb=16, kv_host_ratio=0.0, **common, **configs[name]))
+        for batch in batches:  # warm-up: every shape's kernels compiled before anything is timed
+            measure(engine, batch, 4, False, seed=0)
         for batch in batches:
             timed = measure(engine, batch, args.steps, False, seed=batch)
             profiled = measure(engine, batch, args.steps // 2, True, seed=batch + 1)
