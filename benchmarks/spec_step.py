@@ -2,12 +2,13 @@
 
     python benchmarks/spec_step.py --model 8b|tiny [--configs plain,chain,tree] [--batches 1,8,64] --out step.json
 
-Per configuration and batch size: wall ms per decode step, output tokens per request per step, the
-engine's draft and verify time per step, and the device-kernel ms per step from the torch profiler (a
-second, profiled window), after a warm-up pass over every batch size. `8b`: the Llama-3.1-8B shape and its EAGLE-3 drafter shape with dummy bf16
-weights (the drafts accept nothing, so steps stay at the full shape); `tiny`: the shipped pair. Prompts
-are 200 random token ids. The ratio of a speculative step's wall time to its kernel time is the host's
-share; the ratio to a plain step is what the controller weighs against the tokens a verify gains.
+Per configuration and batch size, after a warm-up pass over every batch size: wall ms per decode step,
+output tokens per request per step, the engine's draft and verify time per step, and the device-kernel
+ms per step from the torch profiler (a second, profiled window). `8b`: the Llama-3.1-8B shape and its
+EAGLE-3 drafter shape with dummy bf16 weights (the drafts accept nothing, so steps stay at the full
+shape); `tiny`: the shipped pair. Prompts are 200 random token ids. The ratio of a speculative step's
+wall time to its kernel time is the host's share; the ratio to a plain step is what the controller weighs
+against the tokens a verify gains.
 """
 from __future__ import annotations
 
