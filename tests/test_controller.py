@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from specserve.speculative.controller import PLAIN, Controller, Shape, candidate_shapes
 
 SHAPES = candidate_shapes(steps=3, topk=1, num_nodes=4)  # plain, chains of 1, 2, 3
@@ -188,3 +190,19 @@ def test_a_probe_cut_short_by_a_catch_up_is_completed():
     assert settled(feed(c, 2, cost=lambda s: 0.001 * (1 + 1.5 * s.k), accept=0.9, steps=100)) == PLAIN
     chosen = feed(c, 16, cost=lambda s: 0.004 * (1 + 0.05 * s.k), accept=0.9, steps=600)
     assert settled(chosen) != PLAIN, "".join(str(s.k) for s in chosen)
+
+
+def test_explain_names_the_choice_its_prediction_and_the_exploration_share():
+    c = Controller("adaptive", SHAPES)
+    chosen = feed(c, 8, cost=lambda s: 0.010 * (1 + 0.05 * s.k), accept=0.8, steps=600)
+    explained = c.explain()
+    bucket = explained["buckets"][8]
+    assert bucket["k"] == settled(chosen).k == 3
+    goodput = bucket["predicted_goodput"]
+    assert set(goodput) == {"plain", "chain-1", "chain-2", "chain-3"}
+    assert max(goodput, key=goodput.get) == "chain-3"
+    assert goodput["plain"] == pytest.approx(8 / 0.010, rel=0.05)  # 8 requests, one token each per 10 ms
+    away = sum(s != SHAPES[-1] for s in chosen) / len(chosen)  # steps not on the chosen shape
+    assert 0 < bucket["exploration_share"] == pytest.approx(away, abs=0.02)
+    assert explained["acceptance_per_position"][0] == pytest.approx(0.8, abs=0.05)
+    assert Controller("always", SHAPES).explain()["buckets"] == {}

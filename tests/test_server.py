@@ -425,6 +425,9 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
         assert metric(text, "specserve:spec_decode_num_accepted_tokens_per_pos_total") == accepted
         assert 'position="1"' in text and metric(text, "specserve:spec_decode_k") == 2
         assert srv.info()["avg_spec_accept_length"] == pytest.approx(1 + accepted / drafts)
+        controller = srv.info()["spec"]["controller"]
+        assert controller["policy"] == "always" and controller["buckets"] == {}  # only adaptive decides per bucket
+        assert len(controller["acceptance_per_position"]) == 2
     finally:
         assert srv.stop() == 0, srv.output()
 

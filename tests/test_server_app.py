@@ -75,3 +75,16 @@ def test_a_stopped_engine_fails_requests_with_500(tmp_path):
     assert assert_openai_error(failed, 500)["type"] == "server_error"
     assert health.status_code == 503 and health.json()["status"] == "failed"
     assert "engine has failed" in assert_openai_error(refused, 500)["message"]
+
+
+def test_controller_explanation_as_metrics():
+    from specserve.server.metrics import EngineCollector
+
+    explained = {"policy": "adaptive", "acceptance_per_position": [0.8], "buckets": {
+        8: {"k": 2, "exploration_share": 0.04, "predicted_goodput": {"plain": 800.0, "chain-2": 1500.0}}}}
+    families = {f.name: f for f in EngineCollector(lambda: None, "m")._controller(explained)}
+    samples = {(f, tuple(sorted(s.labels.items()))): s.value for f in families for s in families[f].samples}
+    assert samples[("specserve:spec_decode_chosen_k", (("bucket", "8"), ("model_name", "m")))] == 2
+    assert samples[("specserve:spec_decode_exploration_ratio", (("bucket", "8"), ("model_name", "m")))] == 0.04
+    key = ("specserve:spec_decode_predicted_goodput", (("bucket", "8"), ("model_name", "m"), ("shape", "chain-2")))
+    assert samples[key] == 1500.0

@@ -44,6 +44,26 @@ class EngineCollector:
         for position, count in enumerate(list(core.stats.spec.accepted_per_position)):
             per_pos.add_metric([*self.labels.values(), str(position)], count)
         yield per_pos
+        if core.spec is not None:
+            yield from self._controller(core.spec.controller.explain())
+
+    def _controller(self, explained: dict) -> Iterator[Metric]:
+        """The speculation controller's choice per batch bucket (see Controller.explain)."""
+        names = [*self.labels, "bucket"]
+        k = GaugeMetricFamily("specserve:spec_decode_chosen_k", "Draft tokens per request the controller chose, "
+                              "per batch-size bucket", labels=names)
+        share = GaugeMetricFamily("specserve:spec_decode_exploration_ratio", "Share of a bucket's steps spent "
+                                  "on shapes other than the chosen one (tries and probes)", labels=names)
+        goodput = GaugeMetricFamily("specserve:spec_decode_predicted_goodput", "Output tokens/s the controller "
+                                    "predicts for each measured shape, per bucket", labels=[*names, "shape"])
+        for b, bucket in explained.get("buckets", {}).items():
+            labels = [*self.labels.values(), str(b)]
+            if bucket["k"] is not None:
+                k.add_metric(labels, bucket["k"])
+            share.add_metric(labels, bucket["exploration_share"])
+            for shape, value in bucket["predicted_goodput"].items():
+                goodput.add_metric([*labels, shape], value)
+        yield from (k, share, goodput)
 
 
 def engine_values(core) -> list[tuple[type, str, str, float]]:

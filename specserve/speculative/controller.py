@@ -42,6 +42,13 @@ class Shape:
         """Draft tokens verified per request (0 = plain decoding)."""
         return self.num_nodes - 1 if self.steps else 0
 
+    @property
+    def label(self) -> str:
+        """plain, chain-S or tree-N (N tokens verified per request, root included)."""
+        if self.steps == 0:
+            return "plain"
+        return f"chain-{self.steps}" if self.topk == 1 else f"tree-{self.num_nodes}"
+
 
 PLAIN = Shape(0, 1, 1)
 
@@ -160,6 +167,9 @@ class Controller:
         self.last_sample: dict[tuple[int, Shape], int] = {}  # (bucket, shape): the record that last timed it
         self.records = 0
         self.steps_taken = 0
+        self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
+        self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
+        self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose(self, batch_size: int) -> Shape:
@@ -171,8 +181,9 @@ class Controller:
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
         self.steps_taken += 1
+        self.decided[b] = self.decided.get(b, 0) + 1
         if self.probing.get(b):
-            return self.probing[b].pop()
+            return self._explore(b, self.probing[b].pop())
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
             if self._samples(b, shape) < self.min_samples:
@@ -182,7 +193,7 @@ class Controller:
                     hope = guess if guess is not None else self.goodput(b, measured[-1], batch_size)
                     if hope * (1 + 2 * self.hysteresis) < max(self.goodput(b, m, batch_size) for m in measured):
                         break
-                return shape
+                return self._explore(b, shape)
             measured.append(shape)
         scores = {s: self.goodput(b, s, batch_size) for s in measured}
         best = max(scores, key=scores.get)
@@ -195,7 +206,36 @@ class Controller:
         if best != PLAIN and PLAIN in scores and scores[best] < scores[PLAIN] * (1 + margin):
             best = PLAIN
         self.current[b] = best
-        return self._maybe_probe(b, best)
+        self.predicted[b] = scores
+        shape = self._maybe_probe(b, best)
+        return shape if shape == best else self._explore(b, shape)
+
+    def _explore(self, b: int, shape: Shape) -> Shape:
+        self.explored[b] = self.explored.get(b, 0) + 1
+        return shape
+
+    def explain(self) -> dict:
+        """Why the controller speculates as it does, for /server_info and /metrics: the acceptance per
+        draft position, and per batch bucket the shape chosen (its k), the goodput (tokens/s) predicted for
+        each measured shape at the latest decision, and the share of steps spent exploring other shapes.
+        Read from another thread while the engine runs: a read that races an update is retried."""
+        for _ in range(3):
+            try:
+                return self._explain()
+            except RuntimeError:  # a window or dict changed size while it was read
+                continue
+        return {"policy": self.policy}
+
+    def _explain(self) -> dict:
+        current, predicted, decided, explored = (dict(d) for d in (self.current, self.predicted, self.decided,
+                                                                   self.explored))
+        buckets = {}
+        for b in sorted(decided):
+            buckets[b] = {"k": current[b].k if b in current else None,
+                          "exploration_share": explored.get(b, 0) / decided[b],
+                          "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()}}
+        return {"policy": self.policy, "acceptance_per_position": [round(r, 4) for r in self.position_rates()],
+                "buckets": buckets}
 
     def _maybe_probe(self, b: int, best: Shape) -> Shape:
         """Now and then, instead of the best shape, the one whose time estimate is oldest, so that no
