@@ -67,7 +67,7 @@ class ModelRunner:
                                     config.model.seed)
         self.num_blocks = ranks.min(self._kv_blocks()) if ranks else self._kv_blocks()
         if config.speculative.enabled:  # the draft head runs on rank 0 alone
-            embedding = self.model.model.embed_tokens.whole()
+            embedding = self.model.embedding().whole()
             self.draft_embedding = embedding if not ranks or ranks.rank == 0 else None
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim

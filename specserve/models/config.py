@@ -6,18 +6,15 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from .registry import MODELS
+
 
 class UnsupportedModel(ValueError):
     pass
 
 
-# architecture -> (q/k/v bias by default, q/k RMSNorm)
-ARCHITECTURES = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
-}
+# architecture -> (q/k/v bias by default, q/k RMSNorm); the families themselves are in registry.MODELS
+ARCHITECTURES = {name: (f.qkv_bias, f.qk_norm) for name, f in MODELS.items()}
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 `ArchConfig` (q/k/v bias, q/k norm, tied embeddings, rope scaling)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,12 +63,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ArchConfig, rotary: RotaryEmbedding):
+    def __init__(self, c: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = DecoderAttention(c, rotary)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = mlp  # [n, hidden] -> [n, hidden]
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,11 +81,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: ArchConfig):
+    def __init__(self, c: ArchConfig, make_mlp: Callable[[ArchConfig, int], nn.Module]):
+        """make_mlp(config, layer index) builds each layer's feed-forward block."""
         super().__init__()
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, rotary) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i)) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -101,6 +104,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The dense families (see registry.MODELS); implements interface.CausalLM. A family that differs only in
+    its feed-forward blocks subclasses this and overrides make_mlp."""
+
     # checkpoint name part -> (our parameter name part, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -110,10 +116,13 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, c: ArchConfig):
         super().__init__()
         self.config = c
-        self.model = LlamaModel(c)
+        self.model = LlamaModel(c, self.make_mlp)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, c: ArchConfig, layer: int) -> nn.Module:
+        return MLP(c.hidden_size, c.intermediate_size)
 
     def forward(self, ids, positions, meta, aux_layers: tuple[int, ...] = ()):
         return self.model(ids, positions, meta, aux_layers)
@@ -123,3 +132,9 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def embedding(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def checkpoint_target(self, name: str) -> None:
+        return None  # packed_modules maps every tensor

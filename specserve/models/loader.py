@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from .config import ArchConfig, read_config
-from .llama import LlamaForCausalLM
+from .interface import CausalLM
+from .registry import model_class
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,20 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], 
     """Copy each checkpoint tensor into its parameter through the parameter's weight_loader.
 
     Raises WeightError naming the tensor when one is mis-shaped, and naming the parameters that no
-    checkpoint tensor filled.
+    checkpoint tensor filled. A model's `checkpoint_target(name)` (when it has one) maps the names that
+    `packed` cannot, and a parameter's `shard_ids` attribute lists the shards it is filled in.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {(name, shard) for name in params for shard in _shards_of(name, packed)}
+    expected = {(name, shard) for name, p in params.items()
+                for shard in getattr(p, "shard_ids", None) or _shards_of(name, packed)}
     loaded: set = set()
+    hook = getattr(model, "checkpoint_target", None)
     for name, tensor in tensors:
         if name.endswith(IGNORED_SUFFIXES):
             continue
-        target, shard = name, None
+        target, shard = (hook(name) if hook else None) or (name, None)
         for part, (ours, shard_id) in packed.items():
-            if f".{part}." in name:
+            if target == name and f".{part}." in name:
                 target, shard = name.replace(f".{part}.", f".{ours}."), shard_id
                 break
         param = params.get(target)
@@ -111,11 +115,13 @@ def build(cls, config, dtype: torch.dtype, device: torch.device):
 
 
 def load_model(folder: str, dtype: torch.dtype, device: torch.device, load_format: str = "safetensors",
-               seed: int = 0) -> LlamaForCausalLM:
+               seed: int = 0) -> CausalLM:
+    """The registered family for the folder's config.json (registry.MODELS), built and filled."""
     arch = ArchConfig.from_dict(read_config(folder))
-    model = build(LlamaForCausalLM, arch, dtype, device)
+    cls = model_class(arch.architecture)
+    model = build(cls, arch, dtype, device)
     if load_format == "dummy":
         dummy_weights(model, seed)
     else:
-        load_weights(model, iterate_tensors(folder), LlamaForCausalLM.packed_modules)
+        load_weights(model, iterate_tensors(folder), cls.packed_modules)
     return model.eval()
