@@ -136,3 +136,10 @@ def test_two_ranks_equal_one(moe_models):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     finally:
         llm.engine.close()
+
+
+def test_moe_models_say_they_run_without_cuda_graphs():
+    from specserve.models.llama import LlamaForCausalLM
+    from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    assert LlamaForCausalLM.supports_cuda_graphs and not Qwen3MoeForCausalLM.supports_cuda_graphs

@@ -101,8 +101,13 @@ class ModelRunner:
         """Capture decode/verify graphs on every rank, in step (CUDA with the triton backend, unless
         enforce_eager); under tensor parallelism the graphs hold the ranks' collectives."""
         ex = self.config.execution
-        if self.device.type == "cuda" and not ex.enforce_eager and ex.attention_backend == "triton":
-            self._everywhere("capture", aux_layers, tokens_per_seq)
+        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton":
+            return
+        if not self.model.supports_cuda_graphs:
+            log.warning("no CUDA graphs: %s runs eagerly (%s)", type(self.model).__name__,
+                        "its forward reads device values on the host")
+            return
+        self._everywhere("capture", aux_layers, tokens_per_seq)
 
     def _own_aux(self, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
         """The auxiliary layers this rank outputs: all on rank 0 (the draft is rank 0's), none elsewhere."""

@@ -19,6 +19,8 @@ class CausalLM(Protocol):
     config: ArchConfig
     # checkpoint name part -> (our parameter name part, shard id): q/k/v into qkv_proj, gate/up into gate_up_proj
     packed_modules: ClassVar[dict]
+    # can a step run inside a CUDA graph (no host reads of device values mid-forward)?
+    supports_cuda_graphs: ClassVar[bool]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

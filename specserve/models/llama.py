@@ -107,6 +107,7 @@ class LlamaForCausalLM(nn.Module):
     """The dense families (see registry.MODELS); implements interface.CausalLM. A family that differs only in
     its feed-forward blocks subclasses this and overrides make_mlp."""
 
+    supports_cuda_graphs = True
     # checkpoint name part -> (our parameter name part, shard id)
     packed_modules = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),

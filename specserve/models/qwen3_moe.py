@@ -114,6 +114,8 @@ def is_sparse(c: ArchConfig, layer: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3 attention (q/k RMSNorm) and norms from llama.py; feed-forward per `is_sparse`."""
 
+    supports_cuda_graphs = False  # the torch expert loop reads each expert's token count on the host
+
     def make_mlp(self, c: ArchConfig, layer: int) -> nn.Module:
         return SparseMoeBlock(c) if is_sparse(c, layer) else MLP(c.hidden_size, c.intermediate_size)
 
