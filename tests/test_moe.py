@@ -13,6 +13,7 @@ from specserve import SamplingParams
 from specserve.models import MODELS, WeightError, model_class
 
 from .conftest import DEVICE, assert_pool_full, hf_greedy, make_llm, mixed_prompts
+from .test_parity import CASES as PARITY_CASES
 
 NEW_TOKENS = 64
 
@@ -56,11 +57,7 @@ def expected(moe_models):
     return prompts, {name: hf_greedy(path, prompts, NEW_TOKENS) for name, path in moe_models.items()}
 
 
-CASES = {
-    "plain": {},
-    "chunked_prefill": {"max_num_batched_tokens": 16},
-    "preemption": {"num_kv_blocks": 16, "block_size": 8, "max_model_len": 128},
-}
+CASES = {name: PARITY_CASES[name] for name in ("plain", "chunked_prefill", "preemption")}
 
 
 def test_checkpoint_has_hub_layout_and_both_layer_kinds(moe_models):

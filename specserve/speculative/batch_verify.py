@@ -159,14 +159,13 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
 
 
 def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]], verifier=None) -> list[Verdict]:
-    """Verify a step's draft trees (all of N nodes) against logits [B, N, V]: one verify for the batch
-    and one read of its result to the host. verifier: a function with `verify_batch_params`' signature
-    (default: that one; synthetic acceptance passes its own)."""
+                  generators: Sequence[Optional[torch.Generator]], chains: bool, verifier=None) -> list[Verdict]:
+    """Verify a step's draft trees (all of N nodes; chains: every one a chain) against logits [B, N, V]:
+    one verify for the batch and one read of its result to the host. verifier: a function with
+    `verify_batch_params`' signature (default: that one; synthetic acceptance passes its own)."""
     device = logits.device
     tokens = to_device([t.tokens for t in trees], torch.long, device)  # [B, N]
     parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
-    chains = all(t.is_chain for t in trees)
     verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains)
     rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync
     n = tokens.shape[1]

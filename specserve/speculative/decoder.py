@@ -74,16 +74,22 @@ class SpecDecoder:
         branches' KV into place (one copy); per sequence, its verdict and its tokens' logprobs (None unless
         it asked). Nothing is committed to the sequences: that is the engine's."""
         check = self.synthetic.verify_batch if self.synthetic is not None else None
-        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], check)
+        chains = shape.topk == 1
+        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], chains, check)
+        if not chains:  # a chain's accepted nodes are already in place
+            self._move_branches(seqs, verdicts)
+        for tree, verdict in zip(trees, verdicts):
+            self.stats.record(tree.num_drafts, verdict.num_accepted)
+            self.controller.record_verify(shape, verdict.num_accepted)
+        return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
+
+    def _move_branches(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
+        """Move the KV of each accepted tree branch to the positions after the prefix, all in one copy."""
         moves = [(s, [s.num_computed_tokens + p for p in v.path],
                   range(s.num_computed_tokens, s.num_computed_tokens + len(v.path)))
                  for s, v in zip(seqs, verdicts) if v.path != list(range(len(v.path)))]
         if moves:
             self.runner.move_kv(moves)
-        for tree, verdict in zip(trees, verdicts):
-            self.stats.record(tree.num_drafts, verdict.num_accepted)
-            self.controller.record_verify(shape, verdict.num_accepted)
-        return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
 
     def _logprobs(self, seqs: list[Sequence], verdicts: list[Verdict], logits: torch.Tensor) -> list:
         """Per sequence, the logprobs of its verdict's tokens (None unless it asked), from logits
