@@ -63,6 +63,32 @@ def test_greedy_lossless(pair, plain_outputs, spec, engine):
     assert_pool_full(llm)
 
 
+@pytest.mark.skipif(DEVICE["name"] != "cuda", reason="draft CUDA graphs need CUDA")
+@pytest.mark.parametrize("spec", [CONFIGS[2], CONFIGS[-1]], ids=["chain", "tree"])
+def test_draft_graphs_propose_what_eager_drafting_proposes(pair, plain_outputs, spec):
+    """Replayed drafting (padded catch-up, metadata built on the device) proposes the eager trees."""
+    target, draft = pair
+    prompts, _ = plain_outputs
+    trees = {}
+    for engine in ("default", "eager"):
+        llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                       speculative_policy="always", **spec, **ENGINES[engine])
+        proposer, seen = llm.engine.spec.proposer, []
+        propose = proposer.propose
+        proposer.propose = lambda seqs, shape: _record_trees(seen, seqs, propose(seqs, shape))
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        trees[engine] = seen
+        if engine == "default":
+            assert proposer.graphs is not None and proposer.graphs.replays > 0
+    assert trees["default"] == trees["eager"]
+
+
+def _record_trees(seen, seqs, trees):
+    seen.append(sorted((s.request_id, len(s.token_ids), t.batch[t.row].tolist() if t.tokens is None else t.tokens,
+                        t.parents) for s, t in zip(seqs, trees)))
+    return trees
+
+
 def test_stops_inside_accepted_run(pair, plain_outputs):
     target, draft = pair
     prompts, want = plain_outputs

@@ -8,6 +8,8 @@ that no block owns and attend to nothing. Inputs are copied into static buffers 
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +25,21 @@ log = logging.getLogger(__name__)
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
     return sizes if sizes[-1] == max_bs else sizes + [max_bs]
+
+
+@contextlib.contextmanager
+def capturing():
+    """Around a series of graph captures: collect garbage first and none during them. A collection inside
+    a capture can free pinned host memory of an earlier engine (a staging copy, a host buffer), and the
+    host allocator's event calls on a capturing stream invalidate the capture."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass
@@ -83,14 +100,15 @@ class GraphRunner:
         start = time.perf_counter()
         pool = None
         self.seq_lens.zero_()
-        for q, sizes in self.sizes.items():
-            for bs in reversed(sizes):
-                self._run(bs, q)  # warm up: compile kernels, settle the allocator
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.outputs[(bs, q)] = self._run(bs, q)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[(bs, q)] = graph
+        with capturing():
+            for q, sizes in self.sizes.items():
+                for bs in reversed(sizes):
+                    self._run(bs, q)  # warm up: compile kernels, settle the allocator
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self.outputs[(bs, q)] = self._run(bs, q)
+                    pool = graph.pool() if pool is None else pool
+                    self.graphs[(bs, q)] = graph
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)

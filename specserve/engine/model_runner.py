@@ -138,19 +138,26 @@ class ModelRunner:
             self.ranks.send((method, args))
         return getattr(self, method)(*args)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[StepInputs, list[range], list[int]]:
-        """Flatten a batch into step inputs, each item's logits rows and each item's first token index."""
+    def prepare(self, batch: list[ScheduledSeq]
+                ) -> tuple[StepInputs, list[range], list[int], Optional[torch.Tensor]]:
+        """Flatten a batch into step inputs, each item's logits rows, each item's first token index and the
+        draft tokens [B, N] on the device that the inputs' placeholders -1-i refer to (flat index i)."""
         step = StepInputs([], [], [], [], [], [], [])
-        rows, offsets = [], []
+        rows, offsets, drafts = [], [], None
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             offsets.append(len(step.ids))
             first = len(step.logit_index)
-            if item.draft is not None:
-                step.ids.extend(item.draft.tokens)
-                step.positions.extend(start + d for d in item.draft.depths())
-                step.trees.append(None if item.draft.is_chain else item.draft.ancestor_mask())
+            tree = item.draft
+            if tree is not None:
+                if tree.tokens is None and self.ranks is None:  # drafted on this device: placeholders
+                    drafts = tree.batch
+                    step.ids.extend(range(-1 - tree.row * n, -1 - (tree.row + 1) * n, -1))
+                else:
+                    step.ids.extend(tree.host_tokens())
+                step.positions.extend(start + d for d in tree.depths())
+                step.trees.append(None if tree.is_chain else tree.ancestor_mask())
                 step.logit_index.extend(range(len(step.ids) - n, len(step.ids)))
                 rows.append(range(first, first + n))
             else:
@@ -166,15 +173,21 @@ class ModelRunner:
             step.q_lens.append(n)
             step.seq_lens.append(start + n)
             step.block_tables.append(seq.block_table)
-        return step, rows, offsets
+        return step, rows, offsets, drafts
 
     def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = (),
                 publish: bool = False) -> ForwardOutput:
         """The model on a batch. publish: the engine will hand this step's sampled tokens (one per
         sampling item) to `publish` without reading them, and the next step's inputs may refer to them."""
-        step, rows, offsets = self.prepare(batch)
+        step, rows, offsets, drafts = self.prepare(batch)
         sampled = sum(1 for item in batch if item.samples) if publish else 0
-        logits, aux = self._everywhere("run", step, aux_layers, sampled)
+        if drafts is not None:  # no step is in flight: the placeholders are draft tokens
+            self.pending_tokens = drafts.view(-1)
+        try:
+            logits, aux = self._everywhere("run", step, aux_layers, sampled)
+        finally:
+            if drafts is not None:
+                self.pending_tokens = None
         return ForwardOutput(logits, rows, aux, offsets)
 
     @torch.inference_mode()

@@ -20,7 +20,7 @@ import torch
 from ..device import to_device
 from ..layers.sampler import filtered_logits
 from ..sampling_params import SamplingParams
-from .tree import DraftTree
+from .tree import DraftTree, step_tokens
 from .verify import Verdict
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -164,7 +164,7 @@ def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequ
     one verify for the batch and one read of its result to the host. verifier: a function with
     `verify_batch_params`' signature (default: that one; synthetic acceptance passes its own)."""
     device = logits.device
-    tokens = to_device([t.tokens for t in trees], torch.long, device)  # [B, N]
+    tokens = step_tokens(trees, device)  # [B, N]
     parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
     verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains)
     rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync

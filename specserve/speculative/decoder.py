@@ -33,6 +33,7 @@ class SpecDecoder:
         from . import make_proposer, make_synthetic
 
         spec = config.speculative
+        self.config = config
         self.runner = runner
         self.stats = stats
         self.synthetic = make_synthetic(config)
@@ -53,6 +54,14 @@ class SpecDecoder:
     def shapes(self) -> list[Shape]:
         """Every shape `choose` may return (the target's CUDA graphs cover each one's tokens per request)."""
         return self.controller.shapes
+
+    def capture_graphs(self, max_bs: int) -> None:
+        """Replay steady-state drafting of every shape from CUDA graphs, for batches up to max_bs (the
+        engine calls this when the target's steps run in graphs)."""
+        shapes = [s for s in self.shapes if s.steps > 0]
+        most = self.config.model.max_model_len + max(self.num_slots(s) for s in shapes) + 1
+        block = self.runner.block_size
+        self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
 
     def choose(self, batch_size: int) -> Shape:
         return self.controller.choose(batch_size)

@@ -25,9 +25,10 @@ from ..layers.attention import build_metadata
 from ..models import ArchConfig
 from .controller import Shape
 from .eagle3 import Eagle3Draft, load_eagle3
+from .eagle3_graphs import DraftGraphs
 from .proposer import Proposer
 from .synthetic import SyntheticAcceptance
-from .tree import DraftTree, select_trees
+from .tree import DraftTree, device_chains, select_trees
 
 
 @dataclass
@@ -66,14 +67,18 @@ class Eagle3Proposer(Proposer):
         self.draft.embed_tokens = target_embedding
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
-        # [k/v, slots, kv_heads, head_dim], indexed by the target's block tables
-        self.kv_cache = torch.zeros(2, num_slots_total, attn.num_kv_heads, attn.head_dim, dtype=dtype, device=device)
+        # [k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables
+        self.scratch_slot = num_slots_total  # padding rows of graph replays write here
+        self.kv_cache = torch.zeros(2, num_slots_total + 1, attn.num_kv_heads, attn.head_dim, dtype=dtype,
+                                    device=device)
         attn.kv_cache = self.kv_cache
         self.group = attn.num_heads // attn.num_kv_heads
         # [blocks, aux_dim]: the target features of each block's last position
         self.block_features = torch.zeros(num_slots_total // block_size, len(self.aux_layers) * target_arch.hidden_size,
                                           dtype=dtype, device=device)
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
+        self._depths: dict[Shape, torch.Tensor] = {}
+        self.graphs: Optional[DraftGraphs] = None  # steady-state drafting replayed from CUDA graphs
 
     def num_slots(self, shape: Shape) -> int:
         return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
@@ -107,33 +112,64 @@ class Eagle3Proposer(Proposer):
     def cache_planes(self) -> list[torch.Tensor]:
         blocks = self.block_features.shape[0]
         # [blocks, k/v, block_size, kv_heads, head_dim] and [blocks, aux_dim]
-        return [self.kv_cache.unflatten(1, (blocks, self.block_size)).movedim(1, 0), self.block_features]
+        kv = self.kv_cache[:, :self.scratch_slot].unflatten(1, (blocks, self.block_size)).movedim(1, 0)
+        return [kv, self.block_features]
+
+    def capture_graphs(self, shapes: list[Shape], max_bs: int, max_blocks: int) -> None:
+        """Capture steady-state drafting for these shapes and batch sizes up to max_bs (CUDA, triton
+        attention); max_blocks: the longest block table a sequence can have."""
+        self.graphs = DraftGraphs(self, shapes, max_bs, max_blocks, self.scratch_slot)
+        self.graphs.capture()
 
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
-        logits, hidden = self._catch_up(seqs, shape.steps)  # [B, draft_vocab], [B, H]
-        k, batch = shape.topk, len(seqs)
-        base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
+        if self.graphs is not None and self.graphs.fits(seqs, shape):
+            self.last_catch_up = sum(s.num_computed_tokens - s.draft_state.computed for s in seqs)
+            cands = self.graphs.run(seqs, shape)
+        else:
+            logits, hidden = self._catch_up(seqs, shape.steps)  # [B, draft_vocab], [B, H]
+            base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
+            cands = self.grow(logits, hidden, shape, lambda *a: self._expand(seqs, base, *a))
+        roots = [s.token_ids[-1] for s in seqs]
+        if shape.topk == 1:  # a chain keeps every candidate, in order: its tokens need not leave the device
+            return device_chains(self._ids(roots), cands[0])
+        return select_trees(roots, *cands, self.candidate_depths(shape), shape.num_nodes)
+
+    def candidate_depths(self, shape: Shape) -> torch.Tensor:
+        """[C] the draft depth of each candidate `grow` returns (1 for the root's children)."""
+        if shape not in self._depths:
+            k = shape.topk
+            self._depths[shape] = self._ids([1] * k + [d + 1 for d in range(1, shape.steps) for _ in range(k * k)])
+        return self._depths[shape]
+
+    def grow(self, logits: torch.Tensor, hidden: torch.Tensor, shape: Shape, expand
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Grow candidates from each sequence's last-pair logits [B, draft_vocab] and hidden state [B, H]:
+        the top-k children of the root, then per depth the top-k children of the k best nodes so far.
+        expand(depth, tokens [B, K], hidden [B, K, H], ancestors [B, K, depth*K]) runs the draft on the
+        nodes being expanded. Returns candidate tokens, cumulative log-probabilities and parents (-1:
+        the root), each [B, C], in generation order."""
+        k, batch, dev = shape.topk, logits.shape[0], logits.device
         logp = logits.float().log_softmax(-1)
         scores, draft_ids = logp.topk(k, dim=-1)  # [B, K]
         if self.synthetic is not None and k > 1:
-            scores = self.synthetic.child_scores(1, k, self.device).expand(batch, k)
+            scores = self.synthetic.child_scores(1, k, dev).expand(batch, k)
         cand_tokens = [self.draft.to_target_ids(draft_ids)]
         cand_scores = [scores]
-        cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=self.device)]
-        expanded = torch.arange(k, device=self.device).expand(batch, k)  # candidate index of each expanded node
+        cand_parents = [torch.full((batch, k), -1, dtype=torch.long, device=dev)]
+        expanded = torch.arange(k, device=dev).expand(batch, k)  # candidate index of each expanded node
         h_in = hidden.unsqueeze(1).expand(batch, k, hidden.shape[-1])  # [B, K, H]
         # [B, K, K] ancestry over the nodes expanded so far
-        ancestors = torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)
+        ancestors = torch.eye(k, dtype=torch.bool, device=dev).expand(batch, k, k)
         exp_scores = scores
         for depth in range(1, shape.steps):
             tokens = torch.cat(cand_tokens, 1).gather(1, expanded)  # [B, K]
-            logits, h_out = self._expand(seqs, base, depth, tokens, h_in, ancestors)
+            logits, h_out = expand(depth, tokens, h_in, ancestors)
             logp = logits.float().log_softmax(-1).view(batch, k, -1)
             child_scores, child_ids = logp.topk(k, dim=-1)  # [B, K, K]
             if self.synthetic is not None:
-                child_scores = self.synthetic.child_scores(depth + 1, k, self.device).expand(batch, k, k)
+                child_scores = self.synthetic.child_scores(depth + 1, k, dev).expand(batch, k, k)
             child_scores = (exp_scores.unsqueeze(-1) + child_scores).view(batch, k * k)
             offset = sum(t.shape[1] for t in cand_tokens)
             cand_tokens.append(self.draft.to_target_ids(child_ids.view(batch, k * k)))
@@ -145,12 +181,9 @@ class Eagle3Proposer(Proposer):
             parent_slot = pick // k  # which expanded node each came from
             h_in = h_out.view(batch, k, -1).gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, h_out.shape[-1]))
             prev = ancestors.gather(1, parent_slot.unsqueeze(-1).expand(-1, -1, ancestors.shape[-1]))
-            ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=self.device).expand(batch, k, k)], dim=2)
+            ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=dev).expand(batch, k, k)], dim=2)
             expanded = offset + pick
-        depths = self._ids([d + 1 for d, t in enumerate(cand_tokens) for _ in range(t.shape[1])])  # [C]
-        tokens, scores, parents = (torch.cat(x, 1) for x in (cand_tokens, cand_scores, cand_parents))
-        return select_trees([s.token_ids[-1] for s in seqs], tokens, scores, parents, depths, shape.num_nodes,
-                            masks=k > 1)
+        return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1)
 
     @torch.inference_mode()
     def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
@@ -227,7 +260,7 @@ class Eagle3Proposer(Proposer):
         masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
         seq_lens = (base + depth * k).tolist()
         meta = self._metadata([k] * batch, seq_lens, seqs, masks)
-        positions = (base + depth - 1).repeat_interleave(k).to(self.device)
+        positions = self._ids((base + depth - 1).repeat_interleave(k))
         logits, h = self.draft(tokens.reshape(-1), h_in.reshape(batch * k, -1), positions, meta)
         return logits, h
 

@@ -39,6 +39,10 @@ class Proposer(ABC):
         observe of a request that started on cached blocks comes with num_computed_tokens past them:
         the proposer's state for those blocks comes from the cache."""
 
+    def capture_graphs(self, shapes: list[Shape], max_bs: int, max_blocks: int) -> None:
+        """Capture drafting of these shapes for batches up to max_bs in CUDA graphs (max_blocks: the
+        longest block table a sequence can have); a proposer that cannot drafts eagerly."""
+
     # ---- prefix caching: the draft's state follows the target's blocks --------------------------
     def cached_tokens(self, seq: Sequence) -> int:
         """How many of seq's leading positions have final draft-side state in the cache (its KV slots,

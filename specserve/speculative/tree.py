@@ -14,10 +14,12 @@ import torch
 
 @dataclass
 class DraftTree:
-    tokens: list[int]  # [N] target token ids; tokens[0] is the root
+    tokens: Optional[list[int]]  # [N] target token ids, tokens[0] the root; None while only on the device
     parents: list[int]  # [N] parent node index; parents[0] = -1
     depth: Optional[list[int]] = field(default=None, repr=False)  # [N], when known from the selection
     mask: Optional[torch.Tensor] = field(default=None, repr=False)  # [N, N] bool, when selected on a device
+    batch: Optional[torch.Tensor] = field(default=None, repr=False)  # [B, N] the step's tokens on the device
+    row: int = 0  # this tree's row of `batch`
 
     @classmethod
     def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
@@ -25,11 +27,17 @@ class DraftTree:
 
     @property
     def size(self) -> int:
-        return len(self.tokens)
+        return len(self.parents)
 
     @property
     def num_drafts(self) -> int:
-        return len(self.tokens) - 1
+        return len(self.parents) - 1
+
+    def host_tokens(self) -> list[int]:
+        """The tokens on the host (read from the device the first time, when drafted there)."""
+        if self.tokens is None:
+            self.tokens = self.batch[self.row].tolist()
+        return self.tokens
 
     @property
     def is_chain(self) -> bool:
@@ -54,6 +62,25 @@ class DraftTree:
         for i in range(1, self.size):
             mask[i] |= mask[self.parents[i]]
         return mask
+
+
+def device_chains(roots: torch.Tensor, drafts: torch.Tensor) -> list[DraftTree]:
+    """Chains of roots [B] and drafts [B, S] (on the device), whose tokens stay there until read."""
+    batch = torch.cat([roots[:, None], drafts], 1)  # [B, S + 1]
+    n = batch.shape[1]
+    parents, depth = list(range(-1, n - 1)), list(range(n))
+    return [DraftTree(None, parents, depth, batch=batch, row=b) for b in range(batch.shape[0])]
+
+
+def step_tokens(trees: list[DraftTree], device: torch.device) -> torch.Tensor:
+    """[B, N] the trees' tokens on the device: their shared batch when they are its rows in order."""
+    batch = trees[0].batch
+    if batch is not None and batch.shape[0] == len(trees) and all(
+            t.batch is batch and t.row == b for b, t in enumerate(trees)):
+        return batch
+    from ..device import to_device
+
+    return to_device([t.host_tokens() for t in trees], torch.long, device)
 
 
 def select_tree(root: int, cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor,
