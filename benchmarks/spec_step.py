@@ -1,6 +1,7 @@
 """Where a speculative step's time goes on a GPU: plain decoding against speculating every step.
 
     python benchmarks/spec_step.py --model 8b|tiny [--configs plain,chain,tree] [--batches 1,8,64] --out step.json
+        [--host-profile DIR]
 
 Per configuration and batch size, after a warm-up pass over every batch size: wall ms per decode step,
 output tokens per request per step, the engine's draft and verify time per step, and the device-kernel
@@ -13,8 +14,10 @@ against the tokens a verify gains.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -38,8 +41,9 @@ def configurations(which: str) -> tuple[dict, dict]:
     }
 
 
-def measure(engine, batch: int, steps: int, profiled: bool, seed: int) -> dict:
-    """Start `batch` requests, finish their prefills, then time `steps` decode steps."""
+def measure(engine, batch: int, steps: int, profiled: bool, seed: int, host_profile: str = "") -> dict:
+    """Start `batch` requests, finish their prefills, then time `steps` decode steps (host_profile: also
+    write the top host functions of those steps, by own time, to this file)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,9 +72,16 @@ def measure(engine, batch: int, steps: int, profiled: bool, seed: int) -> dict:
         kernels = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages())
         kernel_ms = kernels / 1e3 / steps
     else:
+        host = cProfile.Profile() if host_profile else None
+        if host:
+            host.enable()
         for _ in range(steps):
             engine.step()
         sync()
+        if host:
+            host.disable()
+            with open(host_profile, "w") as f:
+                pstats.Stats(host, stream=f).sort_stats("tottime").print_stats(40)
     wall = time.perf_counter() - start
     for seq in list(engine.requests.values()):
         engine.abort(seq.request_id)
@@ -90,6 +101,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cuda (cpu: a smoke test, no kernel times)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--host-profile", default="", help="folder: write each configuration and batch's top host "
+                    "functions (cProfile of a separate window of steps) there")
     args = ap.parse_args()
     import torch
 
@@ -107,6 +120,10 @@ def main() -> None:
         for batch in batches:
             timed = measure(engine, batch, args.steps, False, seed=batch)
             profiled = measure(engine, batch, args.steps // 2, True, seed=batch + 1)
+            if args.host_profile:
+                os.makedirs(args.host_profile, exist_ok=True)
+                measure(engine, batch, args.steps, False, batch + 2,
+                        os.path.join(args.host_profile, f"{args.model}-{name}-bs{batch}.txt"))
             row = dict(timed, kernel_ms=profiled["kernel_ms"] or 0.0, profiled_ms_per_step=profiled["ms_per_step"])
             results[f"{args.model}/{name}/bs{batch}"] = row
             print(f"{args.model:5s} {name:6s} bs {batch:3d}  wall {row['ms_per_step']:6.2f} ms  kernels "
