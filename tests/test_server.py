@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,12 @@ httpx = pytest.importorskip("httpx")
 
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.assets import make_tiny_checkpoint  # noqa: E402
+from specserve.bench.server_process import free_port  # noqa: E402
 
 API_KEY = "test-key"
 MODEL = "tiny"
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n    def", "# a comment about", "return x +",
            "for i in range(", "while True:", "print(", "x = [", "if __name__ =="]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
