@@ -6,6 +6,9 @@ import os
 
 import torch
 
+from specserve.models.checkpoint import save_checkpoint
+from specserve.speculative.eagle3 import Eagle3Config
+
 
 def make_eagle3_checkpoint(path: str, target: str, seed: int = 0, draft_vocab: int | None = None,
                            fmt: str = "safetensors", scale: float = 0.3) -> str:
@@ -39,19 +42,8 @@ def make_eagle3_checkpoint(path: str, target: str, seed: int = 0, draft_vocab: i
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[kept] = True
     tensors["t2d"] = t2d
-    os.makedirs(path, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
-        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
-        "num_key_value_heads": kv, "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": dv,
-        "max_position_embeddings": cfg.get("max_position_embeddings", 512), "rope_theta": 10000.0,
-        "target_hidden_size": h,
-    }
-    json.dump(config, open(os.path.join(path, "config.json"), "w"), indent=1)
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(tensors, os.path.join(path, "model.safetensors"))
-    else:
-        torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
-    return path
+    config = Eagle3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_heads=heads, num_kv_heads=kv,
+                          head_dim=d, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                          max_position_embeddings=cfg.get("max_position_embeddings", 512), target_hidden_size=h,
+                          draft_vocab_size=dv, aux_layer_ids=None)
+    return save_checkpoint(path, config.to_dict(), tensors, fmt=fmt)

@@ -8,12 +8,12 @@ of those strings as one token. No part of the engine or server is replaced.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
 from specserve.assets import CHAT_TEMPLATE
+from specserve.models.checkpoint import save_checkpoint
 
 from .test_server import ServerProcess
 
@@ -23,7 +23,6 @@ CHAIN = ["<think>", "The user wants the weather.", "</think>", "<tool_call>", js
 
 
 def make_scripted_model(path: str) -> str:
-    from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["<|im_start|>", "<|im_end|>", "[UNK]", "user", "assistant", "system", "\n", "weather", "Paris"]
@@ -34,10 +33,6 @@ def make_scripted_model(path: str) -> str:
 
     tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAIN[:-1] + ["\n"]])
-    os.makedirs(path, exist_ok=True)
-    tok.save(os.path.join(path, "tokenizer.json"))
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|im_end|>",
-               "chat_template": CHAT_TEMPLATE}, open(os.path.join(path, "tokenizer_config.json"), "w"))
     ids = [tok.token_to_id(t) for t in CHAIN]
     vocab_size, hidden = 64, 64
     succ = {i: ids[0] for i in range(vocab_size)}  # everything leads into the chain...
@@ -46,7 +41,6 @@ def make_scripted_model(path: str) -> str:
               "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
               "rms_norm_eps": 1e-6, "max_position_embeddings": 256, "tie_word_embeddings": False,
               "eos_token_id": tok.token_to_id("<|im_end|>")}
-    json.dump(config, open(os.path.join(path, "config.json"), "w"))
     z = lambda *s: torch.zeros(*s)  # noqa: E731
     head = z(vocab_size, hidden)
     for a, b in succ.items():
@@ -59,8 +53,9 @@ def make_scripted_model(path: str) -> str:
     for name in ("gate_proj", "up_proj"):
         tensors[f"model.layers.0.mlp.{name}.weight"] = z(64, hidden)
     tensors["model.layers.0.mlp.down_proj.weight"] = z(hidden, 64)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    return path
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                        "pad_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+    return save_checkpoint(path, config, tensors, tokenizer=tok, tokenizer_config=tokenizer_config)
 
 
 @pytest.fixture(scope="module")

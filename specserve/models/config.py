@@ -50,6 +50,15 @@ class DecoderShape:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         )
 
+    def hf_fields(self) -> dict:
+        """These fields under config.json's names (`fields_from` reads them back)."""
+        return {
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
 
 @dataclass(frozen=True)
 class ArchConfig(DecoderShape):

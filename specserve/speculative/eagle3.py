@@ -49,6 +49,17 @@ class Eagle3Config(DecoderShape):
             aux_layer_ids=tuple(aux) if aux else None,
         )
 
+    def to_dict(self, torch_dtype: Optional[str] = None) -> dict:
+        """The draft's config.json (`from_dict` reads it back); eagle_config only when the layer ids are set."""
+        cfg = {"architectures": [DRAFT_ARCHITECTURES[0]], "model_type": "llama", "num_hidden_layers": 1,
+               **self.hf_fields(), "draft_vocab_size": self.draft_vocab_size,
+               "target_hidden_size": self.target_hidden_size}
+        if torch_dtype is not None:
+            cfg["torch_dtype"] = torch_dtype
+        if self.aux_layer_ids is not None:
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        return cfg
+
     def target_aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """Layers whose *input* residual stream the draft reads (low, mid, high)."""
         if self.aux_layer_ids is not None:

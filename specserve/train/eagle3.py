@@ -23,6 +23,7 @@ from torch import nn
 
 from ..layers.attention import build_metadata
 from ..models import ArchConfig, load_model, read_config
+from ..models.checkpoint import save_checkpoint
 from ..speculative.eagle3 import Eagle3Config, Eagle3Draft
 
 CHECKPOINT = "checkpoint.pt"
@@ -187,32 +188,9 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
 
 def save_draft(draft: Eagle3Draft, t2d: torch.Tensor, out: str, arch: ArchConfig, dtype: torch.dtype) -> None:
     """config.json + model.safetensors with the published EAGLE-3 tensor names."""
-    from safetensors.torch import save_file
-
-    c = draft.config
-    sd = {k: v.detach().cpu() for k, v in trainable(draft).items()}
-    attn = draft.midlayer.self_attn
-    q, k, v = attn.qkv_proj.split(sd.pop("midlayer.self_attn.qkv_proj.weight").t())
-    for name, w in (("q", q), ("k", k), ("v", v)):
-        sd[f"midlayer.self_attn.{name}_proj.weight"] = w.t()
-    gate, up = sd.pop("midlayer.mlp.gate_up_proj.weight").chunk(2, dim=0)
-    sd["midlayer.mlp.gate_proj.weight"], sd["midlayer.mlp.up_proj.weight"] = gate, up
-    tensors = {n: (t if n == "d2t" else t.to(dtype)).contiguous() for n, t in sd.items()}
+    tensors = {n: (t if n == "d2t" else t.to(dtype)).detach().cpu() for n, t in trainable(draft).items()}
     tensors["t2d"] = t2d.cpu()
-    os.makedirs(out, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size, "num_hidden_layers": 1, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
-        "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
-        "draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids)},
-    }
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    save_file(tensors, os.path.join(out, "model.safetensors"))
+    save_checkpoint(out, draft.config.to_dict(torch_dtype=str(dtype).removeprefix("torch.")), tensors)
 
 
 # ---- the loop --------------------------------------------------------------------------------------
