@@ -120,12 +120,12 @@ def add_serve_command(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .assets import default_model_path
+    from .engine.machine import resolve_config
     from .server.options import server_options
 
     options = server_options(args)
     config = EngineConfig.from_options(**engine_options(args))
-    config.resolve(default_model_path())  # a missing model folder or a bad option fails here, before the server
+    resolve_config(config)  # a missing model folder or a bad option fails here, before the server
     code = launched_worker(config)
     if code is not None:
         return code

@@ -2,7 +2,8 @@
 
 Users pass flat options (`LLM(model=..., max_num_seqs=8)`, `--max-num-seqs 8`); each flat name belongs to
 exactly one section below. `EngineConfig.from_options` rejects names it does not know, and `resolve()`
-derives the settings that depend on the machine and the checkpoint once, into a new frozen object.
+derives the settings that depend on the machine and the checkpoint once, into a new frozen object; what it
+needs to know of them comes in as a `Machine`, so this module imports nothing heavier than the standard library.
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class ConfigError(ValueError):
@@ -189,6 +190,22 @@ def _check_type(name: str, value: Any, f: dataclasses.Field) -> Any:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """What `EngineConfig.resolve` reads beyond the options: this machine and the checkpoints on it.
+
+    `specserve.engine.machine.this_machine()` gathers it, so that this module imports neither torch nor the
+    model code. The callables are asked only when resolve reaches the step that needs them (a missing
+    model folder is reported before its config.json is read, Triton is looked for only on CUDA).
+    """
+
+    default_model: str  # the folder used when no model is given
+    default_draft: Optional[str]  # the shipped drafter, None when there is none
+    cuda_available: bool  # torch sees a CUDA device
+    triton_available: Callable[[], bool]  # the Triton attention kernels can be used
+    max_positions: Callable[[str], int]  # a model folder's max_position_embeddings (reads its config.json)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -238,25 +255,22 @@ class EngineConfig:
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
 
-    def resolve(self, default_model: str) -> "EngineConfig":
-        """Fill in what depends on the machine: model path, device, dtype."""
-        import torch
-
+    def resolve(self, machine: Machine) -> "EngineConfig":
+        """Fill in what depends on the machine (as `machine` describes it): model path, device, dtype, attention
+        backend, maximum length, the draft."""
         m = self.model
-        model = m.model or default_model
+        model = m.model or machine.default_model
         if not os.path.isdir(model):
             raise FileNotFoundError(f"model folder {model!r} does not exist")
         device = m.device
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
+            device = "cuda" if machine.cuda_available else "cpu"
+        if device == "cuda" and not machine.cuda_available:
             raise ConfigError("device='cuda' asked for but torch sees no CUDA device")
         dtype = m.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
-        from .models import ArchConfig, read_config
-
-        longest = ArchConfig.from_dict(read_config(model)).max_position_embeddings
+        longest = machine.max_positions(model)
         max_len = m.max_model_len or longest
         if max_len > longest:
             raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {longest}")
@@ -266,22 +280,18 @@ class EngineConfig:
         execution = self.execution
         backend = execution.attention_backend
         if backend == "auto":
-            from .layers import triton_attention
-
-            backend = "triton" if device == "cuda" and triton_attention.available() else "torch"
+            backend = "triton" if device == "cuda" and machine.triton_available() else "torch"
         if backend == "triton" and device != "cuda":
             raise ConfigError("attention_backend 'triton' needs device 'cuda'")
         execution = replace(execution, attention_backend=backend,
                             cuda_graph_max_bs=execution.cuda_graph_max_bs or self.scheduler.max_num_seqs)
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len)
-        from .assets import default_draft_path
-
         spec = self.speculative
-        if spec.speculative_algorithm is None and m.model is None and default_draft_path() is not None:
+        if spec.speculative_algorithm is None and m.model is None and machine.default_draft is not None:
             spec = replace(spec, speculative_algorithm="EAGLE3")  # the shipped pair speculates by default
         if spec.enabled:
-            draft = spec.speculative_draft_model_path or (default_draft_path() if m.model is None else None)
+            draft = spec.speculative_draft_model_path or (machine.default_draft if m.model is None else None)
             if draft is None:
                 raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
             if not os.path.isdir(draft):

@@ -1,4 +1,5 @@
-"""`specserve bench` is a protocol client: importing it must not import torch or the engine."""
+"""Import boundaries: `specserve bench` is a protocol client, so importing it must not import torch or the
+engine; `specserve.config` is a leaf, so importing it imports neither torch nor the model code."""
 from __future__ import annotations
 
 import subprocess
@@ -11,6 +12,22 @@ def test_bench_imports_neither_torch_nor_the_engine():
             "heavy = [m for m in sys.modules\n"
             "         if m == 'torch' or m.startswith(('specserve.engine', 'specserve.models'))]\n"
             "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_config_is_a_leaf(tmp_path):
+    """Neither importing specserve.config nor resolving a config (against a described machine: the shipped
+    pair's layout, CPU only) imports torch or the model code."""
+    code = ("import sys, specserve.config as c\n"
+            f"folder = {str(tmp_path)!r}\n"
+            "machine = c.Machine(default_model=folder, default_draft=folder, cuda_available=False,\n"
+            "                    triton_available=lambda: False, max_positions=lambda path: 128)\n"
+            "resolved = c.EngineConfig().resolve(machine)\n"
+            "assert resolved.speculative.speculative_draft_model_path == folder, resolved\n"
+            "assert (resolved.model.device, resolved.model.max_model_len) == ('cpu', 128), resolved\n"
+            "print([m for m in sys.modules if m == 'torch' or m.startswith(\n"
+            "    ('specserve.models', 'specserve.layers', 'specserve.assets', 'specserve.engine'))])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 

@@ -76,11 +76,12 @@ def test_bad_rates_are_refused(rates, message):
 
 def test_rates_need_speculation(tmp_path):
     from specserve.assets import SHIPPED_TARGET
+    from specserve.engine.machine import resolve_config
 
     config = EngineConfig.from_options(model=SHIPPED_TARGET, speculative_algorithm="none",
                                        speculative_synthetic_acceptance_rates=[0.5, 0.4, 0.3])
     with pytest.raises(ConfigError, match="without speculative decoding"):
-        config.resolve(SHIPPED_TARGET)
+        resolve_config(config)
 
 
 def test_command_line_flag():

@@ -88,9 +88,9 @@ def load_tokenizer(folder: str):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from ..assets import default_model_path
+        from .machine import resolve_config
 
-        self.config = config = config.resolve(default_model_path())
+        self.config = config = resolve_config(config)
         self.arch = ArchConfig.from_dict(read_config(config.model.model))
         self.tokenizer = load_tokenizer(config.model.tokenizer)
         self.eos_token_ids = set(self.arch.eos_token_ids)

@@ -16,10 +16,10 @@ import threading
 
 import torch.distributed as dist
 
-from ..assets import default_model_path
 from ..config import EngineConfig
 from ..models import ArchConfig, read_config
 from .distributed import START_TIMEOUT, Ranks
+from .machine import resolve_config
 from .model_runner import ModelRunner
 
 
@@ -33,7 +33,7 @@ def serve(config: EngineConfig, ranks: Ranks) -> None:
 
 def run_launched(config: EngineConfig) -> int:
     """A launcher started this process as a rank other than 0: serve rank 0 until it stops."""
-    config = config.resolve(default_model_path())
+    config = resolve_config(config)
     store, rank, _ = next(dist.rendezvous("env://", timeout=START_TIMEOUT))
     serve(config, Ranks(config, rank, store))
     return 0
