@@ -11,7 +11,9 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
     `logprobs` asks for the log-probability of each sampled token plus that many top alternatives
-    (0: the sampled token only). Stop strings are removed from the returned text.
+    (0: the sampled token only). Stop strings are removed from the returned text. `seed` (any integer,
+    taken mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the
+    seed, that index and the logits only (`layers.sampler.seeded_tokens`), with or without speculation.
     """
 
     temperature: float = 1.0

@@ -152,9 +152,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
         seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -255,7 +254,8 @@ class LLMEngine:
         tokens, logprobs = None, []
         if seqs:
             logits = self._sampling_logits(out, sampling)
-            tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                         [s.num_tokens for s in seqs])  # the index each token takes
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
         committed = []
         for i, item in enumerate(batch):

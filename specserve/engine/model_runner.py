@@ -229,8 +229,10 @@ class ModelRunner:
         return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
-        """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        """One token per row of logits [len(seqs), vocab], with its logprob when the request asked; each
+        at sequence index seq.num_tokens (what seeded sampling is keyed by)."""
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                              [s.num_tokens for s in seqs])
         return list(zip(tokens.tolist(), self.logprobs(logits, tokens, seqs)))
 
     def logprobs(self, logits, tokens, seqs: list[Sequence]) -> list[Optional[TokenLogprob]]:

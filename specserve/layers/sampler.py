@@ -1,12 +1,77 @@
-"""Turning logits into tokens, per request: greedy, temperature, top-k, top-p, min-p, seeds, logprobs."""
+"""Turning logits into tokens, per request: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Seeded requests (`SamplingParams.seed`) sample by Gumbel-max with counter-based noise: the token at
+absolute sequence index t (prompt tokens count: a request's first output token has t = prompt length)
+is argmax_x(filtered_logits[x] + G(seed, t, x)), where G is Gumbel noise that is a pure function of
+(seed, t, x): a splitmix64 hash turned into a uniform u in (0, 1), then -log(-log u). argmax of the
+logits plus independent Gumbel noise is an exact sample of softmax(logits), so a seeded request samples
+the same distribution as any other; and since the noise depends on nothing else (not the batch, not the
+step, not the device's generator state), the token drawn at index t is the same whether a plain step
+or a speculative verify draws it (see speculative/batch_verify.py), in any batch, after preemption.
+"""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from ..device import to_device
 from ..sampling_params import SamplingParams
+
+# splitmix64 (Steele, Lea, Flood 2014) constants as signed int64: torch's int64 arithmetic wraps mod 2^64
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+GAMMA = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: a negative value would shift in ones)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 tensors (bits as uint64), the same on every device."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [n, vocab] float64: row i is G(seeds[i], positions[i], x) for every token x.
+
+    seeds, positions [n] int64. Each row starts a splitmix64 stream at state mix(mix(seed) + position)
+    and takes its outputs 1..vocab, one per token id; the top 52 bits make u = (k + 1/2) / 2^52, strictly
+    inside (0, 1), and G = -log(-log u) lies in [-3.6, 36.7]. Integer steps only, then two float64 logs:
+    the same bits on CPU and CUDA up to the last ulp of the logs.
+    """
+    row = splitmix64(splitmix64(seeds) + positions)  # [n] a state per (seed, position)
+    step = torch.arange(1, vocab + 1, dtype=torch.long, device=seeds.device) * GAMMA  # [V]
+    bits = splitmix64(row[:, None] + step)  # [n, V]
+    u = (_shr(bits, 12).double() + 0.5) * 2.0 ** -52
+    return -torch.log(-torch.log(u))
+
+
+def seed_tensor(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
+    """[n] int64 seeds of seeded params (any Python int, taken mod 2^64)."""
+    return to_device([_signed(p.seed) for p in params], torch.long, device)
+
+
+def seeded_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positions: torch.Tensor) -> torch.Tensor:
+    """The seeded sample of each row [n]: argmax(filtered_logits + gumbel_noise(seed, position)).
+
+    logits [n, vocab] fp32, params [n] (each with a seed), positions [n] long: the absolute sequence
+    index of the token each row draws."""
+    filtered = filtered_logits(logits, params).double()  # [n, V], -inf outside the filters
+    noise = gumbel_noise(seed_tensor(params, logits.device), positions, logits.shape[-1])
+    return (filtered + noise).argmax(-1)
 
 
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -14,7 +79,8 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
     logits [n, vocab] fp32, one row per params entry (rows with temperature 0 are left unscaled).
     The distribution softmax(filtered_logits) is the one sampling draws from; speculative verification
-    uses the same function so that it accepts against exactly this distribution.
+    uses the same function so that it accepts against exactly this distribution. Each row is filtered
+    by its own params only: what other rows of the batch ask for changes nothing in it.
     """
     device = logits.device
     temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
@@ -27,10 +93,10 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if any(p.top_p < 1 for p in params):
         top_p = to_device([p.top_p for p in params], torch.float32, device).unsqueeze(1)
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop_sorted = before >= top_p  # the first token is always kept
+        drop_sorted = (before >= top_p) & (top_p < 1)  # the first token is always kept; top_p 1 keeps all
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0 for p in params):
@@ -42,7 +108,7 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 def exponential_noise(shape: tuple[int, int], generators: Sequence[Optional[torch.Generator]],
                       device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [n, vocab]; rows with their own generator (a seeded request) draw from it."""
+    """Exp(1) noise [n, vocab]; rows with their own generator draw from it, the others from the global RNG."""
     noise = torch.empty(shape, device=device).exponential_()
     for i, gen in enumerate(generators):
         if gen is not None:
@@ -57,21 +123,37 @@ def sample_from_logits(logits: torch.Tensor, generators: Sequence[Optional[torch
     return (probs / noise).argmax(-1)
 
 
+Positions = Union[Sequence[int], torch.Tensor]
+
+
 class Sampler:
-    """Samples one token per row. Greedy rows take the argmax of the raw logits."""
+    """Samples one token per row. Greedy rows take the argmax of the raw logits; seeded rows the
+    Gumbel-max sample keyed by (seed, position) (`seeded_tokens`); other rows draw Exp(1) noise from
+    their generator, or from the global RNG where it is None."""
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
-        # logits [n, vocab] -> tokens [n]
+                 generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+                 positions: Optional[Positions] = None) -> torch.Tensor:
+        # logits [n, vocab] -> tokens [n]; positions [n]: the absolute sequence index of the token each
+        # row draws (needed when a row is seeded)
         logits = logits.float()
         tokens = logits.argmax(-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            rows = to_device(random_rows, torch.long, logits.device)
-            sub_params = [params[i] for i in random_rows]
-            sampled = sample_from_logits(filtered_logits(logits[rows], sub_params),
-                                         [generators[i] for i in random_rows])
-            tokens[rows] = sampled
+        if not random_rows:
+            return tokens
+        device = logits.device
+        seeded = [i for i in random_rows if params[i].seed is not None]
+        unseeded = [i for i in random_rows if params[i].seed is None]
+        if seeded:
+            if positions is None:
+                raise ValueError("seeded sampling needs the position of each row's token")
+            rows = to_device(seeded, torch.long, device)
+            pos = to_device(positions, torch.long, device)[rows]
+            tokens[rows] = seeded_tokens(logits[rows], [params[i] for i in seeded], pos)
+        if unseeded:
+            rows = to_device(unseeded, torch.long, device)
+            gens = [generators[i] if generators is not None else None for i in unseeded]
+            tokens[rows] = sample_from_logits(filtered_logits(logits[rows], [params[i] for i in unseeded]), gens)
         return tokens
 
 

@@ -9,6 +9,14 @@ after it and are tested in node order.
 
 Sampling rows follow `verify_sampling` exactly, including its float64 acceptance arithmetic. Greedy
 rows take the argmax of the raw logits and need no random numbers.
+
+Seeded sampling rows (`SamplingParams.seed`) verify like greedy rows whose "argmax" after node j is the
+seeded Gumbel-max token (`layers.sampler.seeded_tokens`) at the sequence index that token would take:
+the request's position (the index of the token after the root, `Sequence.num_tokens` before the step)
+plus the depth of node j. A draft child is accepted iff it equals that token, and the recovered or bonus
+token is the one at the last accepted node: exactly the tokens a plain step would draw at each index,
+so a seeded request emits the same text with or without speculation. For point-mass drafts this
+accepts child x with probability p(x), as recursive rejection sampling does.
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..device import to_device
-from ..layers.sampler import filtered_logits
+from ..layers.sampler import Positions, filtered_logits, seeded_tokens
 from ..sampling_params import SamplingParams
 from .tree import DraftTree, step_tokens
 from .verify import Verdict
@@ -38,8 +46,8 @@ def draw_verify_random(num_nodes: int, vocab: int, generators: Sequence[Optional
     """The random numbers of one verify per row: uniforms [B, N] and Exp(1) noise [B, V].
 
     A sampling row with a generator draws exactly what `verify_sampling` draws from it: torch.rand(N),
-    then exponential_ over the vocabulary, in that order, so a seeded request verifies the same way
-    batched or alone. Rows without a generator draw from the global RNG, all of them in two calls (not
+    then exponential_ over the vocabulary, in that order, so a row with its own generator verifies the
+    same way batched or alone. Rows without a generator draw from the global RNG, all of them in two calls (not
     in `verify_sampling`'s per-request order). Greedy rows leave their generator untouched; their
     entries are unused.
     """
@@ -54,18 +62,33 @@ def draw_verify_random(num_nodes: int, vocab: int, generators: Sequence[Optional
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """probs [B, N, V] = softmax(filtered_logits) of logits [B, N, V], one `filtered_logits` call for all
-    rows (row b with params[b]); greedy rows are filtered as if unfiltered and are not meant to be used.
-
-    As in `Sampler`, one row with top_p < 1 runs the top-p pass on every row, which in fp32 may drop
-    tail tokens (~1e-7 of the mass) from rows with top_p = 1 that `verify` filtering alone would keep."""
+    rows (row b with params[b]); greedy rows are filtered as if unfiltered and are not meant to be used."""
     b, n, v = logits.shape
     rows = [_GREEDY if p.greedy else p for p in params for _ in range(n)]
     return filtered_logits(logits.reshape(b * n, v), rows).softmax(-1).view(b, n, v)
 
 
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] the depth of each node (the root 0) of trees parents [B, N] (a parent before its child)."""
+    b, n = parents.shape
+    depth = torch.zeros(b, n, dtype=torch.long, device=parents.device)
+    for j in range(1, n):
+        depth[:, j] = depth.gather(1, parents[:, j:j + 1]).squeeze(1) + 1
+    return depth
+
+
+def seeded_targets(logits: torch.Tensor, params: Sequence[SamplingParams], positions: torch.Tensor,
+                   depths: torch.Tensor) -> torch.Tensor:
+    """[S, N] the seeded sample after each node of S seeded rows: logits [S, N, V], params [S] (seeded),
+    positions [S] (the sequence index of the token after each root), depths [S, N] (see `node_depths`)."""
+    s, n, v = logits.shape
+    rows = [p for p in params for _ in range(n)]
+    return seeded_tokens(logits.reshape(s * n, v), rows, (positions[:, None] + depths).reshape(-1)).view(s, n)
+
+
 def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor,
                  probs: Optional[torch.Tensor] = None, uniforms: Optional[torch.Tensor] = None,
-                 noise: Optional[torch.Tensor] = None) -> BatchVerdict:
+                 noise: Optional[torch.Tensor] = None, argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """Verify B draft trees of N nodes at once.
 
     tokens [B, N] long: node tokens, column 0 the root; parents [B, N] long, -1 at the root;
@@ -74,12 +97,13 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
     Sampling rows need probs [B, N, V] (the target's sampling distribution, see `sampling_probs`),
     uniforms [B, N] and noise [B, V] (see `draw_verify_random`), and verify as `verify_sampling`:
     the d-th child test of the walk uses uniforms[b, d]. probs may be None only if every row is greedy;
-    greedy rows ignore their probs, uniforms and noise.
+    greedy rows ignore their probs, uniforms and noise. argmax [B, N]: the token a greedy row takes
+    after each node, when not the argmax of `logits` (seeded rows pass their seeded samples).
     """
     b, n = tokens.shape
     dev = tokens.device
     rows = torch.arange(b, device=dev)
-    argmax = logits.argmax(-1)  # [B, N]
+    argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
     par = parents.clamp(min=0)  # [B, N]
     child_p = (tokens == argmax.gather(1, par)).double()  # [B, N] greedy: p(child) is one-hot
     u = torch.zeros(b, n, dtype=torch.float64, device=dev)  # [B, N] greedy: accept iff p(child) > 0
@@ -131,10 +155,12 @@ def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tenso
     return BatchVerdict(accept_len, path, out_tokens)
 
 
-def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor) -> BatchVerdict:
+def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
+                         argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
-    the accepted drafts are the leading ones that equal the target's argmax after their parent."""
-    argmax = logits.argmax(-1)  # [B, N]
+    the accepted drafts are the leading ones that equal the target's argmax after their parent (or
+    argmax [B, N] when given, as in `verify_batch`)."""
+    argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
     match = (tokens[:, 1:] == argmax[:, :-1]).long().cumprod(1).bool()  # [B, N-1] accepted drafts
     on_path = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # [B, N]
     final = argmax.gather(1, match.sum(1, keepdim=True)).squeeze(1)  # [B] at the last accepted node
@@ -143,30 +169,49 @@ def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor) -> BatchVer
 
 def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
                         params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
-                        chains: bool = False) -> BatchVerdict:
+                        chains: bool = False, positions: Optional[Positions] = None) -> BatchVerdict:
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: the global RNG).
     Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
-    chains: every tree is a chain (greedy batches then skip the walk)."""
+    chains: every tree is a chain (batches without unseeded sampling rows then skip the walk).
+    positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
+    its generator is then unused)."""
     b, n, v = logits.shape
     greedy_rows = [p.greedy for p in params]
+    seeded = [i for i, p in enumerate(params) if not p.greedy and p.seed is not None]
+    argmax = None
+    if seeded:
+        if positions is None:
+            raise ValueError("seeded verification needs each row's position")
+        dev = logits.device
+        idx = to_device(seeded, torch.long, dev)
+        par = parents[idx]
+        depths = torch.arange(n, device=dev).expand(len(seeded), n) if chains else node_depths(par)
+        argmax = logits.argmax(-1)  # [B, N]
+        argmax[idx] = seeded_targets(logits[idx], [params[i] for i in seeded],
+                                     to_device(positions, torch.long, dev)[idx], depths)
+        for i in seeded:
+            greedy_rows[i] = True
     if all(greedy_rows) and chains:
-        return verify_greedy_chains(tokens, logits)
+        return verify_greedy_chains(tokens, logits, argmax)
     greedy = to_device(greedy_rows, torch.bool, logits.device)
     if all(greedy_rows):
-        return verify_batch(tokens, parents, logits, greedy)
+        return verify_batch(tokens, parents, logits, greedy, argmax=argmax)
     uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device)
-    return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, params), uniforms, noise)
+    sampled = [_GREEDY if g else p for p, g in zip(params, greedy_rows)]  # seeded rows need no probs
+    return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, sampled), uniforms, noise, argmax)
 
 
 def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]], chains: bool, verifier=None) -> list[Verdict]:
+                  generators: Sequence[Optional[torch.Generator]], chains: bool, verifier=None,
+                  positions: Optional[Positions] = None) -> list[Verdict]:
     """Verify a step's draft trees (all of N nodes; chains: every one a chain) against logits [B, N, V]:
     one verify for the batch and one read of its result to the host. verifier: a function with
-    `verify_batch_params`' signature (default: that one; synthetic acceptance passes its own)."""
+    `verify_batch_params`' signature (default: that one; synthetic acceptance passes its own).
+    positions [B]: per tree the sequence index of the token after its root (seeded rows need it)."""
     device = logits.device
     tokens = step_tokens(trees, device)  # [B, N]
     parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
-    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains)
+    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains, positions)
     rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync
     n = tokens.shape[1]
     out = []

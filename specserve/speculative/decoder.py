@@ -84,7 +84,8 @@ class SpecDecoder:
         it asked). Nothing is committed to the sequences: that is the engine's."""
         check = self.synthetic.verify_batch if self.synthetic is not None else None
         chains = shape.topk == 1
-        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], chains, check)
+        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], chains, check,
+                                 [s.num_tokens for s in seqs])
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
         for tree, verdict in zip(trees, verdicts):

@@ -82,11 +82,17 @@ def verify_sampling(tree: DraftTree, probs: torch.Tensor, generator: Optional[to
         node = accepted
 
 
-def verify(tree: DraftTree, logits: torch.Tensor, params, generator: Optional[torch.Generator]) -> Verdict:
-    """logits [N, vocab]: the target's logits after each node of the tree."""
-    from ..layers.sampler import filtered_logits
+def verify(tree: DraftTree, logits: torch.Tensor, params, generator: Optional[torch.Generator],
+           position: Optional[int] = None) -> Verdict:
+    """logits [N, vocab]: the target's logits after each node of the tree. A seeded request (params.seed)
+    verifies greedily against its seeded samples: after node i the token `Sampler` draws at sequence
+    index position + depth(i), where position is the index of the token after the root."""
+    from ..layers.sampler import filtered_logits, seeded_tokens
 
     if params.greedy:
         return verify_greedy(tree, logits.argmax(-1).tolist())
+    if params.seed is not None:
+        positions = torch.tensor([position + d for d in tree.depths()], device=logits.device)
+        return verify_greedy(tree, seeded_tokens(logits, [params] * tree.size, positions).tolist())
     probs = filtered_logits(logits, [params] * tree.size).softmax(-1)
     return verify_sampling(tree, probs, generator)
