@@ -213,8 +213,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.merge:
         results = {}
-        for path in args.merge:
-            results.update(json.load(open(path)))
+        for path in args.merge:  # a configuration in several files: its levels are merged
+            for name, run in json.load(open(path)).items():
+                if name in results:
+                    run = dict(run, levels={**results[name]["levels"], **run["levels"]})
+                results[name] = run
         json.dump(results, open(args.out, "w"), indent=1)
     else:
         results = sweep(args)
