@@ -42,6 +42,21 @@ def capturing():
             gc.enable()
 
 
+def capture_all(keys: list[tuple], run) -> tuple[dict, dict]:
+    """One graph per key of run(*key), sharing one memory pool, each captured after a warm-up run
+    (kernels compiled, allocator settled); returns the graphs and their static outputs by key."""
+    graphs, outputs, pool = {}, {}, None
+    with capturing():
+        for key in keys:
+            run(*key)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                outputs[key] = run(*key)
+            pool = graph.pool() if pool is None else pool
+            graphs[key] = graph
+    return graphs, outputs
+
+
 @dataclass
 class StepInputs:
     """A step flattened: the tokens of every scheduled sequence, in batch order."""
@@ -98,17 +113,9 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> float:
         start = time.perf_counter()
-        pool = None
         self.seq_lens.zero_()
-        with capturing():
-            for q, sizes in self.sizes.items():
-                for bs in reversed(sizes):
-                    self._run(bs, q)  # warm up: compile kernels, settle the allocator
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        self.outputs[(bs, q)] = self._run(bs, q)
-                    pool = graph.pool() if pool is None else pool
-                    self.graphs[(bs, q)] = graph
+        keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
+        self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..device import to_device
-from ..engine.cuda_graph import capture_sizes, capturing
+from ..engine.cuda_graph import capture_all, capture_sizes
 from ..engine.sequence import Sequence
 from ..layers.triton_attention import TritonMetadata, block_q_for, padded_tables, tree_bitmask
 from .controller import Shape
@@ -103,16 +103,8 @@ class DraftGraphs:
     @torch.inference_mode()
     def capture(self) -> float:
         start = time.perf_counter()
-        pool = None
-        with capturing():
-            for shape in self.shapes:
-                for bs in reversed(self.sizes):
-                    self._run(bs, shape)  # warm up: compile kernels, settle the allocator
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                        self.outputs[(bs, shape)] = self._run(bs, shape)
-                    pool = graph.pool() if pool is None else pool
-                    self.graphs[(bs, shape)] = graph
+        keys = [(bs, shape) for shape in self.shapes for bs in reversed(self.sizes)]
+        self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.ids.device)
         seconds = time.perf_counter() - start
         log.info("captured %d draft CUDA graphs in %.1f s", len(self.graphs), seconds)
