@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from ..device import to_device
+
 
 @dataclass
 class DraftTree:
@@ -78,8 +80,6 @@ def step_tokens(trees: list[DraftTree], device: torch.device) -> torch.Tensor:
     if batch is not None and batch.shape[0] == len(trees) and all(
             t.batch is batch and t.row == b for b, t in enumerate(trees)):
         return batch
-    from ..device import to_device
-
     return to_device([t.host_tokens() for t in trees], torch.long, device)
 
 
