@@ -14,6 +14,17 @@ class SamplingParams:
     (0: the sampled token only). Stop strings are removed from the returned text. `seed` (any integer,
     taken mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the
     seed, that index and the logits only (`layers.sampler.seeded_tokens`), with or without speculation.
+
+    Logits processors, applied before temperature and the filters, in plain sampling and at every draft
+    node of a verify alike (`layers.logits_processors`):
+    - `repetition_penalty` (> 0, 1 off; vLLM's): the logit of every token seen in the prompt or the
+      output so far is divided by it when positive, multiplied by it when negative;
+    - `presence_penalty`, `frequency_penalty` (in [-2, 2], 0 off; OpenAI's): subtract presence * [count > 0]
+      + frequency * count from each token's logit, counting output tokens only;
+    - `logit_bias` ({token id: bias in [-100, 100]}): added to the logits (token ids are checked against
+      the vocabulary by the engine);
+    - `min_tokens` (<= max_tokens): EOS and `stop_token_ids` cannot be sampled before that many output
+      tokens.
     """
 
     temperature: float = 1.0
@@ -26,12 +37,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _token_keys(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -56,7 +73,55 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2 <= value <= 2:
+                bad(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.logit_bias, dict):
+            bad(f"logit_bias must be a mapping of token ids to numbers, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                bad(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not _number(bias) or not -100 <= bias <= 100:
+                bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError if logit_bias or stop_token_ids name a token outside the vocabulary (the
+        engine calls this where it checks prompts)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"invalid sampling parameter: {name} token id {bad[0]} is outside the "
+                                 f"vocabulary (size {vocab_size})")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Do the logits depend on the tokens so far (repetition, presence or frequency penalty)?"""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does any logits processor apply (penalties, logit_bias or min_tokens)?"""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _token_keys(bias):
+    """logit_bias with keys that spell whole numbers ("50256", as JSON objects carry them) made ints;
+    anything else is left for `validate` to name."""
+    if not isinstance(bias, dict):
+        return bias if bias is not None else {}
+    return {int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k: v for k, v in bias.items()}
