@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from ..engine.engine import RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
-from .formatting import Formatter, new_logprobs
+from .formatting import Envelope, Formatter, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .parsers import ChatDelta, ChatOutputParser, parse_message
 from .protocol import ChatCompletionRequest
@@ -47,8 +47,8 @@ class ChatFormatter(Formatter):
         return self._chunk({}, None, finish_reason)
 
     def _chunk(self, delta: dict, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return self.envelope(self.chunk_object, [choice])
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.envelope.wrap(self.chunk_object, [choice])
 
     # ---- not streamed ---------------------------------------------------------------------------
     def choice(self, out: RequestOutput) -> dict:
@@ -63,7 +63,7 @@ class ChatFormatter(Formatter):
                                       "function": {"name": c["name"], "arguments": c["arguments"]}}
                                      for c in parsed.tool_calls]
         logprobs = self._logprobs(list(zip(out.token_ids, out.logprobs))) if self.logprobs else None
-        return {"index": 0, "message": message, "logprobs": logprobs,
+        return {"index": self.index, "message": message, "logprobs": logprobs,
                 "finish_reason": self._finish_reason(parser, out.finish_reason)}
 
     @staticmethod
@@ -113,6 +113,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt_ids = render_prompt(engine.tokenizer, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs)
-    fmt = ChatFormatter(f"chatcmpl-{uuid.uuid4().hex}", state.model_name, state.token_text, req.logprobs,
-                        reasoning_parser=state.options.reasoning_parser, tools=tools)
-    return await respond(request, state, req, prompt_ids, params, fmt)
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
+    formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
+                                reasoning_parser=state.options.reasoning_parser, tools=tools)
+                  for index in range(req.num_choices)]
+    return await respond(request, state, req, prompt_ids, params, formatters)

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from ..engine.engine import RequestError, RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
-from .formatting import Formatter, new_logprobs
+from .formatting import Envelope, Formatter, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .protocol import CompletionRequest
 from .state import ServerState
@@ -29,14 +29,17 @@ class CompletionFormatter(Formatter):
         logprobs = self._logprobs(new_logprobs(out)) if self.logprobs else None
         if not out.new_text and logprobs is None and not out.finished:
             return None
-        return self.envelope(self.chunk_object, [_choice(out.new_text, logprobs, out.finish_reason)])
+        return self.envelope.wrap(self.chunk_object, [self._choice(out.new_text, logprobs, out.finish_reason)])
 
     def end_chunk(self, finish_reason: str) -> dict:
-        return self.envelope(self.chunk_object, [_choice("", None, finish_reason)])
+        return self.envelope.wrap(self.chunk_object, [self._choice("", None, finish_reason)])
 
     def choice(self, out: RequestOutput) -> dict:
         logprobs = self._logprobs(list(zip(out.token_ids, out.logprobs))) if self.logprobs else None
-        return _choice(out.text, logprobs, out.finish_reason)
+        return self._choice(out.text, logprobs, out.finish_reason)
+
+    def _choice(self, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
         """The completions logprobs shape: parallel lists, top alternatives as {token: logprob}."""
@@ -50,10 +53,6 @@ class CompletionFormatter(Formatter):
                 "text_offset": offsets}
 
 
-def _choice(text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
 async def create_completion(request: Request, state: ServerState) -> Response:
     engine, req = await parse_request(request, state, CompletionRequest)
     try:
@@ -61,6 +60,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     except RequestError as e:
         raise bad_request(str(e), "prompt") from None
     params = sampling_params(engine, req, prompt_ids, "prompt", req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
-    fmt = CompletionFormatter(f"cmpl-{uuid.uuid4().hex}", state.model_name, state.token_text,
-                              req.logprobs is not None)
-    return await respond(request, state, req, prompt_ids, params, fmt)
+    envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
+    formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, index)
+                  for index in range(req.num_choices)]
+    return await respond(request, state, req, prompt_ids, params, formatters)

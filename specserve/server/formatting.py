@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..engine.engine import RequestOutput
@@ -45,21 +46,30 @@ class TokenText:
         return text
 
 
+@dataclass(frozen=True)
+class Envelope:
+    """What every body and chunk of one response repeats: its id, the model name, its creation time."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def wrap(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
 class Formatter:
-    """Turns one request's outputs into an endpoint's OpenAI bodies. Subclasses fill in the choices."""
+    """Turns the outputs of one choice (`index`) of a response into an endpoint's OpenAI bodies. Subclasses
+    fill in the choices."""
 
     object = ""  # the non-streamed body's "object"
     chunk_object = ""  # a streamed chunk's "object"
 
-    def __init__(self, response_id: str, model: str, token_text: TokenText, logprobs: bool):
-        self.id = response_id
-        self.model = model
-        self.created = int(time.time())
+    def __init__(self, envelope: Envelope, token_text: TokenText, logprobs: bool, index: int = 0):
+        self.envelope = envelope
         self.token_text = token_text
         self.logprobs = logprobs
-
-    def envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        self.index = index
 
     # ---- streamed -------------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -73,16 +83,18 @@ class Formatter:
         """A last chunk with no new content, ending the choice (used when the server aborts)."""
         raise NotImplementedError
 
-    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-        body = self.envelope(self.chunk_object, [])
-        body["usage"] = usage(num_prompt_tokens, num_completion_tokens)
-        return body
+    def usage_chunk(self, total: dict) -> dict:
+        """The chunk after the last choice's: no choices, the usage of the whole response."""
+        return dict(self.envelope.wrap(self.chunk_object, []), usage=total)
 
     # ---- not streamed ---------------------------------------------------------------------------
-    def response(self, out: RequestOutput, num_prompt_tokens: int) -> dict:
-        body = self.envelope(self.object, [self.choice(out)])
-        body["usage"] = usage(num_prompt_tokens, len(out.token_ids))
-        return body
-
     def choice(self, out: RequestOutput) -> dict:
         raise NotImplementedError
+
+
+def response(formatters: list[Formatter], outs: list[RequestOutput], num_prompt_tokens: int) -> dict:
+    """The non-streamed body: one choice per formatter and its finished output; the prompt counts once in
+    the usage, the completion tokens of every choice add up."""
+    body = formatters[0].envelope.wrap(formatters[0].object, [f.choice(out) for f, out in zip(formatters, outs)])
+    body["usage"] = usage(num_prompt_tokens, sum(len(out.token_ids) for out in outs))
+    return body

@@ -1,11 +1,14 @@
-"""The path both generation endpoints share: check the request against the engine, submit it, and answer
-with one body or a stream of chunks. A client that goes away aborts its request."""
+"""The path both generation endpoints share: check the request against the engine, submit it (one engine
+request per choice: `n` > 1 fans out), and answer with one body or a stream of chunks. A client that goes
+away aborts its requests."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
-from typing import AsyncIterator, Optional, Type, TypeVar
+from typing import AsyncIterator, Optional, Type, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -16,7 +19,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import RequestError, RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request, from_validation_error, server_error, unavailable
-from .formatting import SSE_DONE, Formatter, sse, usage
+from .formatting import SSE_DONE, Formatter, response, sse, usage
 from .protocol import SamplingRequest, unknown_fields
 from .state import ServerState
 from .streams import OutputStream, RequestAborted
@@ -66,8 +69,8 @@ def as_api_error(exc: BaseException) -> APIError:
 def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[int], prompt_param: str,
                     max_tokens: Optional[int], default_max_tokens: Optional[int],
                     logprobs: Optional[int]) -> SamplingParams:
-    """Check the prompt and the stop token ids against the vocabulary, the output length against
-    max_model_len; build the request's SamplingParams.
+    """Check the prompt, the stop token ids and logit_bias's token ids against the vocabulary, the output
+    length against max_model_len; build the request's SamplingParams.
 
     Without max_tokens a request may use `default_max_tokens` or, when None, all the room left.
     """
@@ -76,11 +79,7 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
         core.check_prompt(prompt_ids)
     except RequestError as e:
         raise bad_request(str(e), prompt_param) from None
-    vocab_size = core.arch.vocab_size
-    for token_id in req.stop_token_ids or []:
-        if token_id >= vocab_size:
-            raise bad_request(f"stop token id {token_id} is outside the vocabulary (size {vocab_size})",
-                              "stop_token_ids")
+    _check_token_ids(req, core.arch.vocab_size)
     max_len = core.config.model.max_model_len
     room = max_len - len(prompt_ids)
     if max_tokens is None:
@@ -88,63 +87,121 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     elif max_tokens > room:
         raise bad_request(f"max_tokens {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
                           f"max_model_len {max_len}: ask for at most {room}", "max_tokens")
+    if (req.min_tokens or 0) > max_tokens:
+        raise bad_request(f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return SamplingParams(**req.sampling_options(max_tokens, logprobs))
     except ValueError as e:
         raise bad_request(str(e)) from None
 
 
+def _check_token_ids(req: SamplingRequest, vocab_size: int) -> None:
+    """stop_token_ids and logit_bias's keys must name tokens of the vocabulary."""
+    for param, token_ids in (("stop_token_ids", req.stop_token_ids or []),
+                             ("logit_bias", [int(k) for k in req.logit_bias or {}])):
+        for token_id in token_ids:
+            if token_id >= vocab_size:
+                raise bad_request(f"token id {token_id} in {param} is outside the vocabulary (size {vocab_size})",
+                                  param)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of n choices: the same, except that choice i of a seeded request has seed + i
+    (as vLLM), so that its choices differ and each reproduces."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
 async def respond(request: Request, state: ServerState, req: SamplingRequest, prompt_ids: list[int],
-                  params: SamplingParams, fmt: Formatter) -> Response:
-    """Submit the request and answer: a stream of chunks, or one body once it finishes."""
-    stream = state.requests.submit(prompt_ids, params, fmt.id)
+                  params: SamplingParams, formatters: list[Formatter]) -> Response:
+    """Submit one request per choice (`formatters`) and answer: a stream of chunks, or one body once all
+    have finished."""
+    n, response_id = len(formatters), formatters[0].envelope.id
+    if n > state.requests.capacity:
+        raise bad_request(f"n {n} is more than this server runs at once ({state.requests.capacity})", "n")
+    request_ids = [response_id] if n == 1 else [f"{response_id}-{i}" for i in range(n)]
+    streams = state.requests.submit(prompt_ids, choice_params(params, n), request_ids)
     if req.stream:
         async def close() -> None:  # also when the client leaves before the body starts
-            stream.close()
+            for stream in streams:
+                stream.close()
 
-        return StreamingResponse(_events(stream, fmt, req), media_type="text/event-stream",
+        return StreamingResponse(_events(streams, formatters, req), media_type="text/event-stream",
                                  headers=SSE_HEADERS, background=BackgroundTask(close))
-    out = await _finished_or_disconnected(request, stream)
-    if out is None:
+    outs = await _finished_or_disconnected(request, streams)
+    if outs is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(fmt.response(out, stream.num_prompt_tokens))
+    return JSONResponse(response(formatters, outs, streams[0].num_prompt_tokens))
 
 
-async def _events(stream: OutputStream, fmt: Formatter, req: SamplingRequest) -> AsyncIterator[str]:
+async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union[RequestOutput, Exception]]]:
+    """The outputs of the streams as they arrive, each with its stream's index; a stream that ends without
+    its finished output gives the exception that ended it (RequestAborted, an engine failure) instead."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(index: int, stream: OutputStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    readers = [asyncio.create_task(read(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(readers)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+
+
+async def _events(streams: list[OutputStream], formatters: list[Formatter], req: SamplingRequest) -> AsyncIterator[str]:
     """The SSE body. It always ends with [DONE]: a request the server aborts ends its choice with
     finish_reason "abort"; an engine failure sends an error event. With continuous usage stats every
-    chunk carries the usage so far; with include_usage a last chunk carries the total. Closing it (the
-    client went away) aborts the request."""
-    num_tokens = 0
+    chunk carries the usage so far (of all choices); with include_usage a last chunk carries the total.
+    Closing it (the client went away) aborts the requests."""
+    num_tokens = [0] * len(streams)
+    num_prompt_tokens = streams[0].num_prompt_tokens
 
     def event(chunk: dict) -> str:
         if req.continuous_usage:
-            chunk["usage"] = usage(stream.num_prompt_tokens, num_tokens)
+            chunk["usage"] = usage(num_prompt_tokens, sum(num_tokens))
         return sse(chunk)
 
     try:
-        for chunk in fmt.first_chunks():
-            yield event(chunk)
-        try:
-            async for out in stream:
-                num_tokens = len(out.token_ids)
-                chunk = fmt.chunk(out)
-                if chunk is not None:
-                    yield event(chunk)
-        except RequestAborted:
-            yield event(fmt.end_chunk("abort"))
-        except Exception as e:  # the engine failed under the request: headers are sent, say it in-band
-            yield sse(as_api_error(e).body())
+        for fmt in formatters:
+            for chunk in fmt.first_chunks():
+                yield event(chunk)
+        async with contextlib.aclosing(_merged(streams)) as outputs:
+            async for index, item in outputs:
+                if isinstance(item, RequestAborted):
+                    yield event(formatters[index].end_chunk("abort"))
+                elif isinstance(item, Exception):  # the engine failed under the request: headers are sent
+                    yield sse(as_api_error(item).body())
+                    break
+                else:
+                    num_tokens[index] = len(item.token_ids)
+                    chunk = formatters[index].chunk(item)
+                    if chunk is not None:
+                        yield event(chunk)
         if req.include_usage:
-            yield sse(fmt.usage_chunk(stream.num_prompt_tokens, num_tokens))
+            yield sse(formatters[0].usage_chunk(usage(num_prompt_tokens, sum(num_tokens))))
         yield SSE_DONE
     finally:
-        stream.close()
+        for stream in streams:
+            stream.close()
 
 
-async def _finished_or_disconnected(request: Request, stream: OutputStream) -> Optional[RequestOutput]:
-    """The finished output, or None if the client disconnects first (the request is then aborted)."""
-    work = asyncio.ensure_future(stream.final())
+async def _finished_or_disconnected(request: Request, streams: list[OutputStream]) -> Optional[list[RequestOutput]]:
+    """The finished outputs, or None if the client disconnects first (the requests are then aborted)."""
+    work = asyncio.ensure_future(asyncio.gather(*(stream.final() for stream in streams)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -157,7 +214,8 @@ async def _finished_or_disconnected(request: Request, stream: OutputStream) -> O
     finally:
         gone.cancel()
         work.cancel()
-        stream.close()
+        for stream in streams:
+            stream.close()
 
 
 async def _disconnected(request: Request) -> None:

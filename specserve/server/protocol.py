@@ -3,10 +3,11 @@
 Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON
 Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
 refuse them under --strict-request-fields. Known options that would change the output but that specserve
-does not implement are accepted only at their neutral value (`n` 1, penalties 0, `repetition_penalty` 1,
-no `logit_bias`, ...) and refused otherwise with a message naming the field, never silently ignored.
-`top_k`, `min_p`, `ignore_eos` and `stop_token_ids` are extra sampling fields, as in vLLM. Stop strings
-must not be empty: `"stop": ""` and `"stop": [""]` are both refused.
+does not implement are accepted only at their neutral value (no beam search, no guided decoding, `best_of`
+equal to `n`, ...) and refused otherwise with a message naming the field, never silently ignored.
+`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and `min_tokens` are extra sampling
+fields, as in vLLM; `n` choices are n requests of the same prompt. Stop strings must not be empty:
+`"stop": ""` and `"stop": [""]` are both refused.
 
 The response models describe the non-streamed bodies exactly as the server writes them.
 """
@@ -16,9 +17,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ..sampling_params import SamplingParams
-
 MAX_LOGPROBS = 20
+MAX_N = 128  # OpenAI's limit on choices per request
 
 
 def _whole(value):
@@ -38,6 +38,10 @@ NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whol
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), BeforeValidator(_whole)]
 TopK = Annotated[int, Field(ge=-1), BeforeValidator(_whole)]
 StopString = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+# OpenAI's logit_bias: token ids as strings, each mapped to a bias in [-100, 100]
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]],
+                      Field(json_schema_extra={"additionalProperties": False})]
 
 
 class _Strict(BaseModel):
@@ -70,13 +74,6 @@ class StreamOptions(_Strict):
 # Options that change the output and that specserve does not implement:
 # (the one value accepted besides null, why others are refused)
 UNSUPPORTED = {
-    "n": (1, "only n=1 is supported: send separate requests for more choices"),
-    "best_of": (1, "only best_of=1 is supported"),
-    "presence_penalty": (0, "penalties are not supported: only 0 is accepted"),
-    "frequency_penalty": (0, "penalties are not supported: only 0 is accepted"),
-    "repetition_penalty": (1, "penalties are not supported: only repetition_penalty 1 is accepted"),
-    "logit_bias": ({}, "logit_bias is not supported"),
-    "min_tokens": (0, "min_tokens is not supported: only 0 is accepted"),
     "use_beam_search": (False, "beam search is not supported"),
     "guided_json": (None, "structured output is not supported"),
     "guided_regex": (None, "structured output is not supported"),
@@ -106,20 +103,20 @@ class SamplingRequest(_Strict):
     max_tokens: Optional[PositiveInt] = None
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    n: Optional[Int] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_whole)]] = None
     stop: Optional[Union[StopString, list[StopString]]] = None
     seed: Optional[Seed] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    logit_bias: Optional[LogitBias] = None
     user: Optional[str] = None  # OpenAI's end-user id: accepted, has no effect
     # vLLM-style extras
     top_k: Optional[TopK] = None
     min_p: Optional[float] = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[TokenId]] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[Int] = None
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    min_tokens: Optional[Annotated[int, Field(ge=0), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[bool] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[Any] = None
@@ -150,14 +147,24 @@ class SamplingRequest(_Strict):
             raise ValueError("stream_options is only allowed with stream=true")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """SamplingParams for this request (raises ValueError naming a bad value)."""
-        return SamplingParams(
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    def sampling_options(self, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
+        """SamplingParams' keyword arguments for this request (`logit_bias` with int keys)."""
+        options = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
             logprobs=logprobs)
+        penalties = dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                         frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
+        options.update((k, v) for k, v in penalties.items() if v is not None)
+        if self.logit_bias is not None:
+            options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        return options
 
 
 class CompletionRequest(SamplingRequest):
@@ -166,6 +173,13 @@ class CompletionRequest(SamplingRequest):
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[Int] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v, info: ValidationInfo):
+        if v is not None and v != (info.data.get("n") or 1):
+            raise ValueError("best_of must equal n: the server does not rank choices")
+        return v
 
     @field_validator("prompt")
     @classmethod

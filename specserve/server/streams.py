@@ -43,23 +43,30 @@ class StreamObserver(Protocol):
 
 
 class OutputStream:
-    """The outputs of one submitted request, in order; ends after the finished output."""
+    """The outputs of one submitted request, in order; ends after the finished output. With `after`, the
+    request reaches the engine only once that event is set."""
 
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 observer: StreamObserver):
+                 observer: StreamObserver, after: Optional[asyncio.Event] = None):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.times = RequestTimes(arrival=time.monotonic())
+        self.started = asyncio.Event()  # set at the first output, or when the request ends without one
         self._observer = observer
         self._queue: asyncio.Queue = asyncio.Queue()
         self._abort_reason = "the request was cancelled"
-        self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params), name=f"pump-{request_id}")
+        self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params, after), name=f"pump-{request_id}")
         self._pump_task.add_done_callback(self._pump_done)
+        self._pump_task.add_done_callback(lambda _: self.started.set())
 
-    async def _pump(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def _pump(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams,
+                    after: Optional[asyncio.Event]) -> None:
+        if after is not None:
+            await after.wait()
         async for out in engine.generate(prompt_ids, params, self.request_id):
             self._observer.on_output(self, out)
             self._queue.put_nowait(out)
+            self.started.set()
 
     def _pump_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -124,6 +131,7 @@ class RequestRegistry:
     def __init__(self, engine: AsyncEngine, capacity: int, observer: StreamObserver):
         self.engine = engine
         self.capacity = capacity
+        self._share_prompts = engine.engine.config.cache.enable_prefix_caching
         self._observer = observer
         self._streams: set[OutputStream] = set()
         self._empty = asyncio.Event()
@@ -132,15 +140,22 @@ class RequestRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> OutputStream:
-        if len(self._streams) >= self.capacity:
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]) -> list[OutputStream]:
+        """One request per choice of a response (all of the same prompt): all are taken, or none (429).
+        With prefix caching the choices after the first reach the engine once the first has its first
+        output: the prompt's KV blocks are cached by then, so the others share them."""
+        if len(self._streams) + len(params) > self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self._streams)} requests in flight, "
                                 f"limit {self.capacity}): retry later", "rate_limit_error", code="queue_full")
-        stream = OutputStream(self.engine, prompt_ids, params, request_id, self._observer)
-        self._streams.add(stream)
+        streams: list[OutputStream] = []
+        for choice_params, request_id in zip(params, request_ids):
+            after = streams[0].started if streams and self._share_prompts else None
+            stream = OutputStream(self.engine, prompt_ids, choice_params, request_id, self._observer, after)
+            self._streams.add(stream)
+            stream.add_done_callback(self._discard)
+            streams.append(stream)
         self._empty.clear()
-        stream.add_done_callback(self._discard)
-        return stream
+        return streams
 
     def _discard(self, stream: OutputStream) -> None:
         self._streams.discard(stream)

@@ -1,0 +1,100 @@
+"""The penalty and bias fields of OpenAI and vLLM requests (issue 20): `repetition_penalty`, `presence_penalty`,
+`frequency_penalty`, `logit_bias` (string token ids) and `min_tokens` map onto SamplingParams fields of the same
+names; out-of-range values and token ids outside the vocabulary get a 400 naming the field. End to end, the
+server's output equals the engine's for the same SamplingParams, and a bias of 100 forces its token.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+from .test_server import MODEL, PROMPTS, greedy, llm, model, server  # noqa: F401 (fixtures)
+
+httpx = pytest.importorskip("httpx")
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+
+
+def post(srv, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + "/v1/completions", json=body, headers=srv.headers, timeout=60)
+
+
+def vocab_size(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+# ---- the mapping ----------------------------------------------------------------------------------
+def test_fields_map_onto_sampling_params_names():
+    req = CompletionRequest.model_validate_json(json.dumps({
+        "prompt": "x", "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": -0.25,
+        "logit_bias": {"17": 100, "0042": -5.5}, "min_tokens": 3.0}))
+    options = req.sampling_options(16, None)
+    assert {k: options[k] for k in PENALTIES} == {"repetition_penalty": 1.3, "presence_penalty": 0.5,
+                                                  "frequency_penalty": -0.25, "logit_bias": {17: 100.0, 42: -5.5},
+                                                  "min_tokens": 3}
+
+
+def test_neutral_and_absent_values_are_the_defaults():
+    """What `vllm bench serve` sends (repetition_penalty 1.0), OpenAI's defaults, and nothing at all."""
+    neutral = {"repetition_penalty": 1.0, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+               "min_tokens": 0}
+    default = SamplingParams(max_tokens=16)
+    for model_cls, base in [(CompletionRequest, {"prompt": "x"}),
+                            (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})]:
+        for fields in (neutral, {}):
+            params = SamplingParams(**model_cls.model_validate({**base, **fields}).sampling_options(16, None))
+            assert params == default
+
+
+# ---- validation -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": "1.2"}, "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"five": 1}}, "logit_bias.five.[key]"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias.-5.[key]"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+])
+def test_bad_values_are_refused_naming_the_field(server, extra, param):  # noqa: F811
+    r = post(server, {"prompt": "x", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(server, model):  # noqa: F811
+    vocab = vocab_size(model)
+    r = post(server, {"prompt": "x", "logit_bias": {"3": 1, str(vocab): 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert f"token id {vocab}" in r.json()["error"]["message"]
+
+
+# ---- end to end, once the engine has the fields ----------------------------------------------------
+@pytest.mark.xfail(reason="the engine does not apply logit_bias yet (945ff34 added the SamplingParams fields, "
+                          "'not applied yet'); remove this mark once it does", strict=False)
+def test_a_bias_of_100_forces_its_token(server, llm):  # noqa: F811
+    token = llm.tokenizer.encode(" return", add_special_tokens=False)[0]
+    r = post(server, {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "ignore_eos": True,
+                      "logit_bias": {str(token): 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == llm.tokenizer.decode([token] * 6)
+
+
+@pytest.mark.parametrize("extra", [
+    {"repetition_penalty": 1.5}, {"presence_penalty": 1.5}, {"frequency_penalty": 2}, {"min_tokens": 10},
+    {"logit_bias": {"5": -100, "17": 3.5}},
+    {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 4},
+])
+def test_the_server_samples_as_the_engine_does_with_the_same_params(server, llm, extra):  # noqa: F811
+    r = post(server, {"prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    mapped = dict(extra, logit_bias={int(k): v for k, v in extra.get("logit_bias", {}).items()})
+    [ref] = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=16, **mapped))
+    assert r.json()["choices"][0]["text"] == ref.text
+    if "min_tokens" in extra:
+        assert r.json()["usage"]["completion_tokens"] >= extra["min_tokens"]
