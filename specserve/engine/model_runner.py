@@ -14,6 +14,7 @@ import torch
 from ..config import EngineConfig
 from ..device import to_device
 from ..layers.attention import build_metadata
+from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
@@ -229,11 +230,18 @@ class ModelRunner:
         return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
-        """One token per row of logits [len(seqs), vocab], with its logprob when the request asked; each
-        at sequence index seq.num_tokens (what seeded sampling is keyed by)."""
+        """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""
+        tokens, logits = self.sample_on_device(logits, seqs)
+        return list(zip(tokens.tolist(), self.logprobs(logits, tokens, seqs)))
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [len(seqs)] on the device, one per row of logits [len(seqs), vocab], each at sequence index
+        seq.num_tokens (what seeded sampling is keyed by); and the logits they were drawn from (processed for
+        requests with penalties, logit_bias or min_tokens: logprobs are taken from these)."""
+        logits = process_logits(logits, seqs, self.pending_tokens)
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                               [s.num_tokens for s in seqs])
-        return list(zip(tokens.tolist(), self.logprobs(logits, tokens, seqs)))
+        return tokens, logits
 
     def logprobs(self, logits, tokens, seqs: list[Sequence]) -> list[Optional[TokenLogprob]]:
         wanted = [s.params.logprobs for s in seqs]

@@ -60,6 +60,7 @@ class Sequence:
         self.num_pending = 0  # tokens sampled on the device, not yet known here (overlap scheduling)
         self.pending_row = -1  # where the pending token sits in the in-flight step's sampled tokens
         self.prefix_state = None  # the block manager's per-request prefix-cache state
+        self.logits_state = None  # token counts on the device, for penalties (layers/logits_processors.py)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property

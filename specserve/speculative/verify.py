@@ -82,12 +82,36 @@ def verify_sampling(tree: DraftTree, probs: torch.Tensor, generator: Optional[to
         node = accepted
 
 
+def path_tokens(tree: DraftTree, node: int) -> list[int]:
+    """The drafts from the root (excluded) to node (included), in order."""
+    path = []
+    while node > 0:
+        path.append(tree.tokens[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def processed_logits(tree: DraftTree, logits: torch.Tensor, params, history: tuple) -> torch.Tensor:
+    """logits [N, vocab] after each node processed (`layers.logits_processors.process_one`) as a plain
+    step would after the sequence's tokens and the node's path. history: (prompt token ids, output token
+    ids, EOS and stop token ids)."""
+    from ..layers.logits_processors import process_one
+
+    prompt, output, stops = history
+    return torch.stack([process_one(logits[i], params, prompt, output + path_tokens(tree, i), stops)
+                        for i in range(tree.size)])
+
+
 def verify(tree: DraftTree, logits: torch.Tensor, params, generator: Optional[torch.Generator],
-           position: Optional[int] = None) -> Verdict:
+           position: Optional[int] = None, history: Optional[tuple] = None) -> Verdict:
     """logits [N, vocab]: the target's logits after each node of the tree. A seeded request (params.seed)
     verifies greedily against its seeded samples: after node i the token `Sampler` draws at sequence
-    index position + depth(i), where position is the index of the token after the root."""
+    index position + depth(i), where position is the index of the token after the root. A request with
+    penalties, logit_bias or min_tokens (`params.processes_logits`) needs history (see `processed_logits`)."""
     from ..layers.sampler import filtered_logits, seeded_tokens
+
+    if params.processes_logits:
+        logits = processed_logits(tree, logits, params, history)
 
     if params.greedy:
         return verify_greedy(tree, logits.argmax(-1).tolist())
