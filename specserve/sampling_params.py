@@ -1,8 +1,9 @@
 """Per-request sampling options, shaped like vLLM's `SamplingParams`."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -25,6 +26,10 @@ class SamplingParams:
       the vocabulary by the engine);
     - `min_tokens` (<= max_tokens): EOS and `stop_token_ids` cannot be sampled before that many output
       tokens.
+
+    Structured output (vLLM's guided decoding, through xgrammar: the `grammar` extra): `guided_json`, a
+    JSON schema (a dict or its JSON text), or `guided_json_object` (any JSON object): only tokens that keep
+    the output a prefix of a match can be sampled, and the request stops when the match is complete.
     """
 
     temperature: float = 1.0
@@ -42,6 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    guided_json: Optional[Union[dict, str]] = None
+    guided_json_object: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +97,26 @@ class SamplingParams:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        self._validate_guided(bad)
+
+    def _validate_guided(self, bad) -> None:
+        if not isinstance(self.guided_json_object, bool):
+            bad(f"guided_json_object must be true or false, got {self.guided_json_object!r}")
+        if self.guided and self.min_tokens:
+            bad("min_tokens cannot be combined with guided decoding (the grammar may end sooner)")
+        if self.guided_json is None:
+            return
+        if self.guided_json_object:
+            bad("guided_json and guided_json_object exclude each other")
+        if isinstance(self.guided_json, str):
+            try:
+                schema = json.loads(self.guided_json)
+            except ValueError as e:
+                bad(f"guided_json is not valid JSON: {e}")
+        else:
+            schema = self.guided_json
+        if not isinstance(schema, (dict, bool)):
+            bad(f"guided_json must be a JSON schema (an object), got {type(schema).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +130,11 @@ class SamplingParams:
             if bad:
                 raise ValueError(f"invalid sampling parameter: {name} token id {bad[0]} is outside the "
                                  f"vocabulary (size {vocab_size})")
+
+    @property
+    def guided(self) -> bool:
+        """Is the output constrained by a grammar (guided_json or guided_json_object)?"""
+        return self.guided_json is not None or self.guided_json_object
 
     @property
     def has_penalties(self) -> bool:
