@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..layers.grammar import make_grammar
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
@@ -61,6 +62,7 @@ class Sequence:
         self.pending_row = -1  # where the pending token sits in the in-flight step's sampled tokens
         self.prefix_state = None  # the block manager's per-request prefix-cache state
         self.logits_state = None  # token counts on the device, for penalties (layers/logits_processors.py)
+        self.grammar = make_grammar(params, detokenizer, eos_token_ids)  # structured output (layers/grammar.py)
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -101,6 +103,8 @@ class Sequence:
     def _stop_reason(self, token: int) -> Optional[str]:
         if token in self.eos_token_ids or token in self.params.stop_token_ids:
             return "stop"
+        if self.grammar is not None and (not self.grammar.accept(token) or self.grammar.terminated):
+            return "stop"  # the structured output is complete (or, never expected, the grammar refuses it)
         if self.detokenizer is not None:
             new = self.detokenizer.add(token)
             if new:

@@ -13,7 +13,8 @@ committing them, with the same element-wise operations (`apply`), so the same bi
 Counts live on the device (`TokenCounts`, one per request that asks, folded forward from the host's
 tokens a step at a time). With overlap scheduling the previous step's token is still on the device when
 the next one samples; it is added from the device (`ModelRunner.pending_tokens`), so requests with
-these options overlap like any other. A batch in which no request asks does no work here.
+these options overlap like any other. A batch in which no request asks does no work here. Grammar masks
+(structured output) come after these processors, see `layers.grammar`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..device import to_device
+from .grammar import mask_logits
 
 _INF = float("inf")
 
@@ -102,11 +104,17 @@ def processed_rows(seqs: Sequence) -> list[int]:
 
 def process_logits(logits: torch.Tensor, seqs: Sequence, pending: Optional[torch.Tensor] = None) -> torch.Tensor:
     """logits [len(seqs), V] after each sequence's tokens, processed for the rows that ask (the same
-    tensor when none does). pending [rows]: the in-flight step's sampled tokens, read at seq.pending_row
-    by sequences whose last token is still on the device (seq.num_pending)."""
+    tensor when none does), grammar masks last (`layers.grammar`). pending [rows]: the in-flight step's
+    sampled tokens, read at seq.pending_row by sequences whose last token is still on the device
+    (seq.num_pending)."""
     rows = processed_rows(seqs)
-    if not rows:
-        return logits
+    if rows:
+        logits = penalise(logits, seqs, rows, pending)
+    return mask_logits(logits, seqs, pending)
+
+
+def penalise(logits: torch.Tensor, seqs: Sequence, rows: list[int], pending: Optional[torch.Tensor]) -> torch.Tensor:
+    """`process_logits` without the grammar, for rows (those that ask) of logits [len(seqs), V]."""
     v, dev = logits.shape[-1], logits.device
     batch = Batch([seqs[i] for i in rows], v, dev)
     waiting = [k for k, i in enumerate(rows) if seqs[i].num_pending]

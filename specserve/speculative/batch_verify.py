@@ -18,8 +18,8 @@ token is the one at the last accepted node: exactly the tokens a plain step woul
 so a seeded request emits the same text with or without speculation. For point-mass drafts this
 accepts child x with probability p(x), as recursive rejection sampling does.
 
-Requests with penalties, logit_bias or min_tokens verify against logits processed at each node as a
-plain step would process them after the node's path (`process_drafts`, before any of the above).
+Requests with penalties, logit_bias, min_tokens or a grammar verify against logits processed at each
+node as a plain step would process them after the node's path (`process_drafts`, before any of the above).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..device import to_device
+from ..layers.grammar import mask_tree_logits
 from ..layers.logits_processors import process_tree_logits
 from ..layers.sampler import Positions, filtered_logits, seeded_tokens
 from ..sampling_params import SamplingParams
@@ -228,9 +229,10 @@ def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequ
 def process_drafts(seqs: Sequence, trees: Sequence[DraftTree], logits: torch.Tensor) -> torch.Tensor:
     """logits [B, N, V] after each node of the step's trees, processed (penalties, logit_bias, min_tokens:
     `layers.logits_processors`) for the sequences that ask, counting the drafts on each node's path as
-    output tokens; the same tensor when none asks."""
-    if not any(s.params.processes_logits for s in seqs):
-        return logits
-    tokens = step_tokens(trees, logits.device)  # [B, N]
-    parents = to_device([t.parents for t in trees], torch.long, logits.device)  # [B, N]
-    return process_tree_logits(logits, seqs, tokens, parents)
+    output tokens, then masked by the grammar after each node's path (`layers.grammar`); the same tensor
+    when none asks."""
+    if any(s.params.processes_logits for s in seqs):
+        tokens = step_tokens(trees, logits.device)  # [B, N]
+        parents = to_device([t.parents for t in trees], torch.long, logits.device)  # [B, N]
+        logits = process_tree_logits(logits, seqs, tokens, parents)
+    return mask_tree_logits(logits, seqs, trees)
