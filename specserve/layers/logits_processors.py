@@ -99,7 +99,9 @@ class Batch:
 
 
 def processed_rows(seqs: Sequence) -> list[int]:
-    return [i for i, s in enumerate(seqs) if s.params.processes_logits]
+    """The rows that need processing (a request whose only option is a min_tokens it has reached does not)."""
+    return [i for i, s in enumerate(seqs) if s.params.processes_logits and (
+        s.params.has_penalties or s.params.logit_bias or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
 
 
 def process_logits(logits: torch.Tensor, seqs: Sequence, pending: Optional[torch.Tensor] = None) -> torch.Tensor:

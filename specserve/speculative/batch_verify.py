@@ -30,7 +30,7 @@ import torch
 
 from ..device import to_device
 from ..layers.grammar import mask_tree_logits
-from ..layers.logits_processors import process_tree_logits
+from ..layers.logits_processors import process_tree_logits, processed_rows
 from ..layers.sampler import Positions, filtered_logits, seeded_tokens
 from ..sampling_params import SamplingParams
 from .tree import DraftTree, step_tokens
@@ -231,7 +231,7 @@ def process_drafts(seqs: Sequence, trees: Sequence[DraftTree], logits: torch.Ten
     `layers.logits_processors`) for the sequences that ask, counting the drafts on each node's path as
     output tokens, then masked by the grammar after each node's path (`layers.grammar`); the same tensor
     when none asks."""
-    if any(s.params.processes_logits for s in seqs):
+    if processed_rows(seqs):
         tokens = step_tokens(trees, logits.device)  # [B, N]
         parents = to_device([t.parents for t in trees], torch.long, logits.device)  # [B, N]
         logits = process_tree_logits(logits, seqs, tokens, parents)
