@@ -300,7 +300,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 400, "model"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),

@@ -361,3 +361,26 @@ def test_real_responses_match_the_openapi_schema(server, spec):  # noqa: F811
 def test_more_choices_than_the_server_runs_at_once_is_400(strict):
     error = assert_error(post(strict, "/v1/completions", {"prompt": "x", "n": 2, "model": "org/tiny"}), 400, "n")
     assert "at once" in error["message"]
+
+
+def test_streamed_chunks_match_the_openapi_schema(server, spec):  # noqa: F811
+    messages = [{"role": "user", "content": "Hi"}]
+    for path, body in [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 4, "logprobs": 1, "n": 2}),
+        ("/v1/chat/completions", {"messages": messages, "max_tokens": 4, "logprobs": True, "top_logprobs": 1, "n": 2}),
+    ]:
+        event = spec["paths"][path]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        chunk = event["properties"]["data"]["contentSchema"]
+        got = events(server, path, dict(body, stream=True, stream_options=CONTINUOUS))
+        assert got[-1] == "[DONE]" and conforms({"data": "[DONE]"}, event, spec)
+        for c in got[:-1]:
+            assert conforms(c, chunk, spec) and conforms({"data": json.dumps(c), "event": "message"}, event, spec), c
+        assert not conforms(dict(got[0], undocumented=1), chunk, spec)
+
+
+def test_wrong_method_is_405_with_allow(server):  # noqa: F811
+    r = httpx.put(server.url + "/v1/models", headers=server.headers, timeout=10)
+    assert_error(r, 405, None)
+    assert r.headers["allow"] == "GET"
+    r = httpx.get(server.url + "/v1/completions", headers=server.headers, timeout=10)
+    assert r.status_code == 405 and r.headers["allow"] == "POST"

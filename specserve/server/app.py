@@ -18,8 +18,10 @@ from .completions import create_completion
 from .errors import APIError, retry_after, server_error
 from .middleware import ApiKey, BodyLimit
 from .protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")  # no API key needed
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)  # the routes read them from the raw request
+CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk)  # the JSON of streamed events
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -44,8 +47,11 @@ async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """FastAPI's own errors (404, 405) as OpenAI error bodies, with their headers (405's Allow)."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
+    response = _error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -58,23 +64,35 @@ def _errors(*statuses: int) -> dict:
     return {status: {"model": ErrorResponse} for status in statuses}
 
 
-def _generation_docs(request_model, response_model) -> dict:
+def _ref(model) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _sse_event(chunk_model) -> dict:
+    """The schema of one server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event)."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk_model), _ref(ErrorResponse)]},
+            "description": f"a {chunk_model.__name__} as JSON (an ErrorResponse if the engine fails during the "
+                           "stream); the last event's data is `[DONE]`"}
+    return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
+
+
+def _generation_docs(request_model, response_model, chunk_model) -> dict:
     """Route arguments that document a generation endpoint: its JSON body, its JSON or SSE answer, errors."""
-    body = {"content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request_model.__name__}"}}},
-            "required": True}
+    body = {"content": {"application/json": {"schema": _ref(request_model)}}, "required": True}
     sse = {"description": "the body, or with stream=true server-sent events: chunks, then `data: [DONE]`",
-           "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+           "content": {"text/event-stream": {"schema": _sse_event(chunk_model)}}}
     return dict(response_model=response_model, openapi_extra={"requestBody": body},
-                responses={200: sse, **_errors(400, 401, 413, 429, 500, 503)})
+                responses={200: sse, **_errors(400, 401, 404, 413, 429, 500, 503)})
 
 
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's schema plus the request models of the generation routes (it cannot see them: the routes
-    read the raw request), less the 422 FastAPI documents but this app never sends."""
+    read the raw request) and their stream chunks, less the 422 FastAPI documents but this app never sends."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        _, defs = models_json_schema([(m, "validation") for m in REQUEST_MODELS],
-                                     ref_template="#/components/schemas/{model}")
+        models = [(m, "validation") for m in REQUEST_MODELS] + [(m, "serialization") for m in CHUNK_MODELS]
+        _, defs = models_json_schema(models, ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(defs["$defs"])
         for name in ("HTTPValidationError", "ValidationError"):
@@ -124,16 +142,15 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 500, 503))
     async def model(model_id: str) -> JSONResponse:
-        if model_id != state.model_name:
-            raise APIError(404, f"model {model_id!r} does not exist; this server serves {state.model_name!r}",
-                           param="model", code="model_not_found")
+        state.check_model(model_id)
         return JSONResponse(model_card())
 
-    @app.post("/v1/completions", **_generation_docs(CompletionRequest, CompletionResponse))
+    @app.post("/v1/completions", **_generation_docs(CompletionRequest, CompletionResponse, CompletionChunk))
     async def completions(request: Request) -> Response:
         return await create_completion(request, state)
 
-    @app.post("/v1/chat/completions", **_generation_docs(ChatCompletionRequest, ChatCompletionResponse))
+    @app.post("/v1/chat/completions", **_generation_docs(ChatCompletionRequest, ChatCompletionResponse,
+                                                                  ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
 

@@ -167,8 +167,17 @@ class SamplingRequest(_Strict):
         return options
 
 
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _one(item) -> Any:
+    return Annotated[list[item], Field(min_length=1, max_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: Union[str, list[Int], list[str], list[list[Int]]]
+    prompt: Union[Text, TokenIds, _one(Text), _one(TokenIds)] = Field(
+        description="one prompt: text or token ids (or a list holding one of them)")
     logprobs: Optional[NumLogprobs] = None
     echo: Optional[bool] = None
     suffix: Optional[str] = None
@@ -181,14 +190,15 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of must equal n: the server does not rank choices")
         return v
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, v):
+        """Clearer messages than the types' for the two likely mistakes."""
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
             if len(v) != 1:
                 raise ValueError("batches of prompts are not supported: send one request per prompt")
             v = v[0]
-        if not v:
+        if v in ("", []):
             raise ValueError("the prompt is empty")
         return v
 
@@ -239,7 +249,7 @@ class ResponseFormat(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: bool = False
     top_logprobs: Optional[NumLogprobs] = None
@@ -251,10 +261,10 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Optional[Union[str, dict[str, Any]]] = None
 
-    @field_validator("messages")
+    @field_validator("messages", mode="before")
     @classmethod
     def _some_messages(cls, v):
-        if not v:
+        if v == []:
             raise ValueError("messages must not be empty")
         return v
 
@@ -372,6 +382,60 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+# ---- streamed chunks (each the JSON of one `data:` event; the last event is `data: [DONE]`) ----------
+class CompletionStreamChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: Optional[Literal["stop", "length", "abort"]]
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice] = Field(description="empty in the usage chunk")
+    usage: Usage = _sometimes("in every chunk with stream_options.continuous_usage_stats; in a last chunk "
+                              "without choices with stream_options.include_usage")
+
+
+class ToolCallFunctionDelta(_Response):
+    name: str = _sometimes("in the tool call's first delta")
+    arguments: str
+
+
+class ToolCallDelta(_Response):
+    index: int
+    id: str = _sometimes("in the tool call's first delta")
+    type: Literal["function"] = _sometimes("in the tool call's first delta")
+    function: ToolCallFunctionDelta
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] = _sometimes("in each choice's first chunk")
+    content: str = _sometimes("new content")
+    reasoning_content: str = _sometimes("new reasoning, with a reasoning parser")
+    tool_calls: list[ToolCallDelta] = _sometimes("new tool-call fragments, with a tool-call parser")
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: Optional[Literal["stop", "length", "tool_calls", "abort"]]
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice] = Field(description="empty in the usage chunk")
+    usage: Usage = _sometimes("in every chunk with stream_options.continuous_usage_stats; in a last chunk "
+                              "without choices with stream_options.include_usage")
 
 
 class ModelCard(_Response):

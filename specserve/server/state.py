@@ -62,9 +62,10 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: Optional[str]) -> None:
+        """A request for another model gets 404, as from OpenAI and vLLM."""
         if model is not None and model != self.model_name:
-            raise APIError(400, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""
