@@ -14,6 +14,7 @@ from ..config import EngineConfig
 from ..device import to_device
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
+from ..speculative.batch_verify import process_drafts
 from ..speculative.controller import PLAIN, Shape
 from ..speculative.decoder import SpecDecoder
 from .block_manager import make_block_manager
@@ -254,8 +255,7 @@ class LLMEngine:
         tokens, logprobs = None, []
         if seqs:
             logits = self._sampling_logits(out, sampling)
-            tokens = self.runner.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                         [s.num_tokens for s in seqs])  # the index each token takes
+            tokens, logits = self.runner.sample_on_device(logits, seqs)
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
         committed = []
         for i, item in enumerate(batch):
@@ -364,6 +364,8 @@ class LLMEngine:
         """Verify every draft of the step at once; per batch index: (its verdict, its tokens' logprobs)."""
         n = batch[drafted[0]].draft.size
         logits = self._sampling_logits(out, drafted).view(len(drafted), n, -1)  # [B, N, vocab]
+        # penalties, logit_bias, min_tokens, grammars: applied at each node as a plain step would (logprobs too)
+        logits = process_drafts([batch[i].seq for i in drafted], [batch[i].draft for i in drafted], logits)
         results = self.spec.accept([batch[i].seq for i in drafted], [batch[i].draft for i in drafted], logits,
                                    self.shape)
         return dict(zip(drafted, results))
