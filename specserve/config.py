@@ -89,6 +89,9 @@ class SpeculativeConfig:
                                                               "(default: steps+1 for a chain, 8 for a tree)")
     speculative_policy: str = _opt("adaptive", "how much to speculate each step", ("adaptive", "always", "threshold"))
     speculative_disable_batch_threshold: int = _opt(32, "threshold policy: no speculation while more requests run")
+    speculative_calibration_s: Optional[float] = _opt(
+        None, "adaptive policy: seconds the start-up measurement of each shape's step time may take, batch sizes "
+              "1, 2, 4, ... in turn (default: 30 on CUDA, 3 on CPU; 0 = learn step times from live steps only)")
     speculative_synthetic_acceptance_rates: Optional[tuple[float, ...]] = _opt(
         None, "benchmarks only: accept drafts at these per-position rates instead of verifying them (entry i = "
               "probability that the first i+1 drafts are accepted; one per draft step; output text is meaningless)")
@@ -124,13 +127,18 @@ class SpeculativeConfig:
             raise ConfigError(f"{name} must be non-increasing (entry i is the probability that the first i+1 "
                               f"drafts are all accepted), got {list(rates)}")
 
-    def resolved(self) -> "SpeculativeConfig":
+    def resolved(self, device: str) -> "SpeculativeConfig":
+        budget = self.speculative_calibration_s
+        if budget is None:
+            budget = 30.0 if device == "cuda" else 3.0
+        if budget < 0:
+            raise ConfigError(f"speculative_calibration_s must be >= 0, got {budget}")
         n = self.speculative_num_draft_tokens
         if n is None:
             n = self.speculative_num_steps + 1 if self.speculative_eagle_topk == 1 else \
                 min(8, 1 + self.speculative_eagle_topk
                     + (self.speculative_num_steps - 1) * self.speculative_eagle_topk ** 2)
-        return replace(self, speculative_num_draft_tokens=n)
+        return replace(self, speculative_num_draft_tokens=n, speculative_calibration_s=float(budget))
 
 
 SECTIONS = {
@@ -296,7 +304,7 @@ class EngineConfig:
                 raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
             if not os.path.isdir(draft):
                 raise FileNotFoundError(f"draft model folder {draft!r} does not exist")
-            spec = replace(spec.resolved(), speculative_draft_model_path=draft)
+            spec = replace(spec.resolved(device), speculative_draft_model_path=draft)
         elif spec.speculative_synthetic_acceptance_rates is not None:
             raise ConfigError("speculative_synthetic_acceptance_rates given without speculative decoding")
         return replace(self, model=model_cfg, execution=execution, speculative=spec)

@@ -180,3 +180,32 @@ def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
 def _record(seen, shape):
     seen.add(shape)
     return shape
+
+
+def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pair, plain_outputs):
+    """The adaptive controller's step costs are measured before the first request, for every shape at
+    batch sizes 1, 2, 4, ... up to max_num_seqs; the dummy requests leave no trace (counters, KV blocks,
+    request table) and the output stays that of plain decoding."""
+    from specserve.speculative.controller import bucket
+
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_num_steps=3, max_num_seqs=8, speculative_calibration_s=120)
+    spec, engine = llm.engine.spec, llm.engine
+    times = spec.calibration.times
+    assert sorted({n for n, _ in times}) == [1, 2, 4, 8]
+    assert {s for _, s in times} == set(spec.shapes)
+    assert all(len(ts) == 4 and min(ts) > 0 for ts in times.values())
+    assert all(spec.controller._priced(bucket(n), s) for n, s in times)
+    explained = spec.controller.explain()["calibration"]
+    assert explained["seconds"] > 0 and set(explained["step_ms"]) == {1, 2, 4, 8}
+    assert engine.stats.num_steps == engine.stats.num_prompt_tokens == engine.stats.spec.num_drafts == 0
+    assert not engine.requests
+    assert_pool_full(llm)
+    prompts, want = plain_outputs
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    assert_pool_full(llm)
+    off = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_calibration_s=0)
+    assert off.engine.spec.calibration is None

@@ -126,6 +126,12 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
+        if self.spec is not None:
+            try:
+                self.spec.calibrate(self)
+            except BaseException:
+                self.runner.close()
+                raise
 
     @property
     def aux_layers(self) -> tuple[int, ...]:

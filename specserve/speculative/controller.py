@@ -9,19 +9,22 @@ Policies:
 - threshold: plain decoding while more than `threshold` requests run, else the configured shape;
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (per-position conditional rates for chains, the mean for a
-  tree); step times (drafting, catching up and verifying included) are measured per (batch-size
-  bucket, shape) from live steps, the latest `window` of each read per batch size (`StepTimes`; a
-  median shrugs off noise and the one long catch-up that follows a plain phase). Shapes are measured
-  at different times while the machine's speed drifts, so times are kept at a per-bucket speed index
-  that the chosen shape's steps track (`record_step`).
-  Unmeasured shapes are tried in order of size until a larger one has clearly lost (or, guessed from
-  the cost ratio measured at a smaller batch, would clearly lose), a switch needs a clear gain
-  (hysteresis), a draft is chosen only while it clearly beats plain decoding (near-ties go to plain),
-  and the shape whose estimate is oldest is probed so a dropped one can come back: `min_samples` steps
-  whose times replace its estimate (one step would barely move a median of stale ones, and their
-  median drops the first one's catch-up), after `probe_every` steps, and twice as long after each
-  probe that changed nothing (a probe of k > 0 after a plain phase pays the draft's catch-up over the
-  whole gap, so a settled choice should not pay it often).
+  tree, pooled over batch sizes: acceptance does not depend on the batch). Step times (drafting,
+  catching up and verifying included) are measured at start-up for every shape at batch sizes 1, 2, 4,
+  ... (`seed_costs`, speculative/calibration.py) and then refreshed from live steps, the latest `window`
+  of each per (batch-size bucket, shape), read per batch size (`StepTimes`; a median shrugs off noise).
+  Shapes are measured at different times while the machine's speed drifts, so times are kept at a
+  per-bucket speed index that the chosen shape's steps track (`record_step`).
+  A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
+  decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
+  can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
+  estimate, at most every `probe_every` steps and only while the bucket's exploration credit covers
+  the probe's price. Each step earns `exploration_budget` (2%) of its time as credit, and a step away
+  from the chosen shape is charged what it lost against it (a draft's catch-up after plain steps
+  included), so exploring costs at most that share of serving time, whatever the workload.
+  Without a start-up table (shapes unmeasured in a bucket), shapes are tried in order of size until a
+  larger one has clearly lost (or, guessed from the cost ratio measured at a smaller batch, would
+  clearly lose).
 """
 from __future__ import annotations
 
@@ -137,9 +140,9 @@ class Pinned:
 
 
 class Controller:
-    def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.05,
+    def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.03,
                  probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 3, window: int = 9,
-                 prior_samples: int = 16, speed_window: int = 5, max_probe_every: int = 4096):
+                 prior_samples: int = 16, speed_window: int = 5, exploration_budget: float = 0.02):
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
         self.policy = policy
@@ -150,7 +153,7 @@ class Controller:
         self.probe_every = probe_every
         self.min_samples = min_samples
         self.window = window
-        self.max_probe_every = max_probe_every
+        self.exploration_budget = exploration_budget
         self.prior_samples = prior_samples
         self.speed_window = speed_window
         self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by the chosen shape's steps
@@ -159,9 +162,10 @@ class Controller:
         self.acceptance_window = acceptance_window
         self.forget_acceptance()
         self.current: dict[int, Shape] = {}
-        self.next_probe: dict[int, int] = {}  # per bucket: the step count of its next probe
-        self.probe_gap: dict[int, int] = {}  # per bucket: steps between probes (doubles while settled)
-        self.probed: dict[int, Shape] = {}  # per bucket: the choice when the last probe was made
+        self.next_probe: dict[int, int] = {}  # per bucket: the step count from which it may probe again
+        self.credit: dict[int, float] = {}  # per bucket: seconds of serving time it may still lose exploring
+        self.probe_price: dict[int, float] = {}  # per bucket: what the last probe lost (catch-up included)
+        self.probes: dict[int, int] = {}  # per bucket: probes made (every second one goes to the runner-up)
         self.probing: dict[int, list[Shape]] = {}  # per bucket: the probe's steps still to take
         self.stale: set[tuple[int, Shape]] = set()  # probed, and the old estimate not yet replaced
         self.last_sample: dict[tuple[int, Shape], int] = {}  # (bucket, shape): the record that last timed it
@@ -170,6 +174,9 @@ class Controller:
         self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
+        self.calibration: Optional[dict] = None  # what the start-up measurement found and cost (for explain)
+        self.serving_time: dict[int, float] = {}  # per bucket: seconds of decode steps recorded
+        self.exploration_loss: dict[int, float] = {}  # per bucket: of them, seconds lost to other shapes
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose(self, batch_size: int) -> Shape:
@@ -186,11 +193,9 @@ class Controller:
             return self._explore(b, self.probing[b].pop())
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
-            if self._samples(b, shape) < self.min_samples:
+            if not self._priced(b, shape):
                 if measured and not self._samples(b, shape):  # not begun: skip it if even a hope loses
-                    # the hope: this shape's guess (a smaller batch's cost ratio), else the last measured one
-                    guess = self._guess(b, shape, batch_size)
-                    hope = guess if guess is not None else self.goodput(b, measured[-1], batch_size)
+                    hope = self.goodput(b, measured[-1], batch_size)  # the last priced shape's
                     if hope * (1 + 2 * self.hysteresis) < max(self.goodput(b, m, batch_size) for m in measured):
                         break
                 return self._explore(b, shape)
@@ -207,7 +212,7 @@ class Controller:
             best = PLAIN
         self.current[b] = best
         self.predicted[b] = scores
-        shape = self._maybe_probe(b, best)
+        shape = self._maybe_probe(b, best, batch_size)
         return shape if shape == best else self._explore(b, shape)
 
     def _explore(self, b: int, shape: Shape) -> Shape:
@@ -229,31 +234,46 @@ class Controller:
     def _explain(self) -> dict:
         current, predicted, decided, explored = (dict(d) for d in (self.current, self.predicted, self.decided,
                                                                    self.explored))
+        served, lost = dict(self.serving_time), dict(self.exploration_loss)
         buckets = {}
         for b in sorted(decided):
             buckets[b] = {"k": current[b].k if b in current else None,
                           "exploration_share": explored.get(b, 0) / decided[b],
+                          "exploration_loss_share": lost.get(b, 0.0) / served[b] if served.get(b) else 0.0,
                           "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()}}
         return {"policy": self.policy, "acceptance_per_position": [round(r, 4) for r in self.position_rates()],
-                "buckets": buckets}
+                "exploration_budget": self.exploration_budget, "calibration": self.calibration, "buckets": buckets}
 
-    def _maybe_probe(self, b: int, best: Shape) -> Shape:
-        """Now and then, instead of the best shape, the one whose time estimate is oldest, so that no
-        estimate stays stale (one taken in an odd step would otherwise hold for good)."""
-        if b not in self.next_probe:
-            self.probe_gap[b] = self.probe_every
-            self.next_probe[b] = self.steps_taken + self.probe_every
-        if self.steps_taken < self.next_probe[b]:
+    def _maybe_probe(self, b: int, best: Shape, batch_size: int) -> Shape:
+        """Now and then, instead of the best shape, another: in turn the runner-up (so that a near-tie
+        judged on noisy times is settled) and the one whose time estimate is oldest (so that no estimate
+        stays stale: one taken in an odd step would otherwise hold for good); acceptance is sampled
+        while plain decoding runs. A probe waits at least `probe_every` steps and until the
+        bucket's exploration credit (see `record_step`) covers its price: what the last probe lost, or
+        `min_samples` steps' predicted loss if that is more."""
+        if self.steps_taken < self.next_probe.setdefault(b, self.steps_taken + self.probe_every):
             return best
-        settled = self.probed.get(b) == best
-        self.probe_gap[b] = min(2 * self.probe_gap[b], self.max_probe_every) if settled else self.probe_every
-        self.next_probe[b] = self.steps_taken + self.probe_gap[b]
-        self.probed[b] = best
         others = [s for s in self.shapes if s != best] or [best]
-        shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
+        if self.probes.get(b, 0) % 2 and all(self._priced(b, s) for s in others):  # the runner-up: a near-tie settles
+            shape = max(others, key=lambda s: self.goodput(b, s, batch_size))
+        else:  # the oldest estimate: none stays stale
+            shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
+        per_step = self._loss(b, shape, best, batch_size, self.seconds(b, shape, batch_size)) \
+            if self._priced(b, shape) else self.seconds(b, best, batch_size)  # unpriced: dear
+        price = max(self.min_samples * per_step, self.probe_price.get(b, 0.0))
+        credit = self.credit[b] = min(self.credit.get(b, 0.0), 2 * price)  # no bursts after a long calm
+        if credit < price:
+            return best
+        self.next_probe[b] = self.steps_taken + self.probe_every
+        self.probes[b] = self.probes.get(b, 0) + 1
+        self.probe_price[b] = 0.0
         self.stale.add((b, shape))
         self.probing[b] = [shape] * (self.min_samples - 1)
         return shape
+
+    def _loss(self, b: int, shape: Shape, best: Shape, batch_size: int, seconds: float) -> float:
+        """Serving time a step of `shape` taking `seconds` loses against the best shape's goodput."""
+        return max(0.0, seconds - batch_size * self.expected_tokens(shape) / self.goodput(b, best, batch_size))
 
     def expected_tokens(self, shape: Shape) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
@@ -293,24 +313,33 @@ class Controller:
         return implied.median if implied else 1.0
 
     def _cost(self, b: int, shape: Shape, batch_size: int) -> float:
-        """A step's time at the speed index 1 (see `StepTimes` for how batch sizes are read)."""
+        """A step's time at the speed index 1 (see `StepTimes` for how batch sizes are read). A draft shape
+        not timed at all in bucket b is guessed from plain's time here and its cost ratio to plain in the
+        nearest smaller bucket that measured both (`_ratio`; hopeful, as a verify's relative cost grows
+        with the batch); the caller checks `_priced` first."""
         plain = self.step_time.get((b, PLAIN))
-        return plain.line(batch_size) if shape == PLAIN else \
-            statistics.median(self.step_time[(b, shape)].scaled(batch_size, plain))
+        if shape == PLAIN:
+            return plain.line(batch_size)
+        ratio = self._ratio(b, shape) if not self._samples(b, shape) else None
+        if ratio is not None:
+            return plain.line(batch_size) * ratio
+        return statistics.median(self.step_time[(b, shape)].scaled(batch_size, plain))
 
-    def _guess(self, b: int, shape: Shape, batch_size: int) -> Optional[float]:
-        """Goodput of a draft shape unmeasured in bucket b, from its cost ratio to plain in the nearest
-        smaller bucket that measured it: a hopeful guess, since a verify's relative cost grows with the
-        batch. None when there is no such bucket or plain is unmeasured here."""
-        if shape == PLAIN or self._samples(b, PLAIN) < self.min_samples:
+    def _ratio(self, b: int, shape: Shape) -> Optional[float]:
+        """A draft shape's cost over plain's in the nearest smaller bucket that measured both, or None."""
+        if self._samples(b, PLAIN) < self.min_samples:
             return None
         smaller = [c for (c, s), t in self.step_time.items()
                    if s == shape and c < b and len(t) >= self.min_samples and self._samples(c, PLAIN)]
         if not smaller:
             return None
         c = max(smaller)
-        ratio = self._cost(c, shape, c) / self._cost(c, PLAIN, c)
-        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, PLAIN, batch_size) * ratio, 1e-9)
+        return self._cost(c, shape, c) / self._cost(c, PLAIN, c)
+
+    def _priced(self, b: int, shape: Shape) -> bool:
+        """Is there a time for this shape in bucket b: measured, or guessed from a smaller bucket?"""
+        n = self._samples(b, shape)  # a measurement begun (a probe cut short by a catch-up) is completed
+        return n >= self.min_samples or (n == 0 and shape != PLAIN and self._ratio(b, shape) is not None)
 
     def _samples(self, b: int, shape: Shape) -> int:
         return len(self.step_time.get((b, shape), ()))
@@ -327,22 +356,49 @@ class Controller:
         self.position_accept = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(len(self.position_accept))]
 
     # ---- observations -------------------------------------------------------------------------
-    def record_step(self, batch_size: int, shape: Shape, seconds: float) -> None:
+    def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True) -> None:
         """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
         measured at different times, so times are kept at a per-bucket speed index, which the steps of
         the chosen shape track: the shape that runs anchors the others, which only probes measure, so
         a slower machine leaves their comparison as it was, and a probe of plain tells a dearer draft
-        from a slower machine."""
+        from a slower machine. Every step earns the bucket `exploration_budget` of its time as credit;
+        a step of another shape than the chosen one is charged what it lost against it. A step that is
+        not `typical` of its shape (a draft catching up after plain steps) is charged but not timed."""
         b = bucket(batch_size)
+        self._account(b, shape, batch_size, seconds)
+        if not typical:
+            return
         if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old estimate
             self.stale.discard((b, shape))
             self.step_time.pop((b, shape), None)
-        if shape == self.current.get(b) and self._samples(b, shape) >= self.min_samples:
+        if shape == self.current.get(b) and self._samples(b, shape) >= self.window:
             implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
             implied.add(seconds / self._cost(b, shape, batch_size))
         self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
         self.records += 1
         self.last_sample[(b, shape)] = self.records
+
+    def _account(self, b: int, shape: Shape, batch_size: int, seconds: float) -> None:
+        """The exploration budget's books: credit earned, and what a step away from the choice lost."""
+        self.serving_time[b] = self.serving_time.get(b, 0.0) + seconds
+        self.credit[b] = self.credit.get(b, 0.0) + self.exploration_budget * seconds
+        best = self.current.get(b)
+        if best is None or shape == best or not self._priced(b, best) or not self._priced(b, shape):
+            return
+        loss = self._loss(b, shape, best, batch_size, seconds)
+        self.credit[b] -= loss
+        self.exploration_loss[b] = self.exploration_loss.get(b, 0.0) + loss
+        self.probe_price[b] = self.probe_price.get(b, 0.0) + loss
+
+    def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None) -> None:
+        """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the
+        seconds of a few steps. They stand as each shape's estimate in the batch size's bucket until live
+        steps (of the chosen shape) or probes (of the others) replace them. `summary` is shown by `explain`."""
+        self.calibration = summary
+        for (n, shape), seconds in times.items():
+            window = self.step_time.setdefault((bucket(n), shape), StepTimes(self.window))
+            for t in seconds:
+                window.add(n, t)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         if shape.topk > 1:

@@ -19,6 +19,7 @@ from ..device import to_device
 from ..engine.sequence import Sequence
 from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
+from .calibration import Calibration, calibrate
 from .controller import PLAIN, Controller, Shape, candidate_shapes
 from .tree import DraftTree
 from .verify import Verdict
@@ -44,6 +45,8 @@ class SpecDecoder:
         self.controller = Controller(spec.speculative_policy, candidate_shapes(
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
             spec.speculative_disable_batch_threshold)
+        self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
+        self.calibration: Optional[Calibration] = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -63,8 +66,17 @@ class SpecDecoder:
         block = self.runner.block_size
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
 
+    def calibrate(self, engine) -> None:
+        """Measure every shape's step time at start-up for the adaptive controller (the engine calls this
+        once it is built and idle; other policies do not need it). See speculative/calibration.py."""
+        budget = self.config.speculative.speculative_calibration_s
+        if self.controller.policy != "adaptive" or not budget:
+            return
+        self.calibration = calibrate(engine, self.shapes, budget)
+        self.controller.seed_costs(self.calibration.times, self.calibration.summary())
+
     def choose(self, batch_size: int) -> Shape:
-        return self.controller.choose(batch_size)
+        return self.forced if self.forced is not None else self.controller.choose(batch_size)
 
     def num_slots(self, shape: Shape) -> int:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
@@ -88,9 +100,10 @@ class SpecDecoder:
                                  [s.num_tokens for s in seqs])
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
-        for tree, verdict in zip(trees, verdicts):
-            self.stats.record(tree.num_drafts, verdict.num_accepted)
-            self.controller.record_verify(shape, verdict.num_accepted)
+        if self.forced is None:
+            for tree, verdict in zip(trees, verdicts):
+                self.stats.record(tree.num_drafts, verdict.num_accepted)
+                self.controller.record_verify(shape, verdict.num_accepted)
         return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
 
     def _move_branches(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
@@ -132,7 +145,9 @@ class SpecDecoder:
     def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0) -> None:
         """A decode-only step's wall time, for the controller. `drafted`: sequences that speculated in it;
         a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
-        decoding) is not typical of its shape and is not recorded."""
-        if drafted and self.proposer.last_catch_up > drafted * (shape.steps + 1):
+        decoding) is not typical of its shape: the controller charges it to exploration but does not time
+        it."""
+        if self.forced is not None:
             return
-        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds)
+        typical = not drafted or self.proposer.last_catch_up <= drafted * (shape.steps + 1)
+        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical)

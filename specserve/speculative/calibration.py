@@ -1,0 +1,116 @@
+"""Step costs measured before the first request, for the adaptive controller.
+
+At start-up the engine runs dummy requests (random prompts, greedy, no stop) through its real step:
+for each batch size 1, 2, 4, ... up to max_num_seqs (as far as the KV pool holds them and the time
+budget `speculative_calibration_s` lasts; larger batches are priced from the largest measured one's
+cost ratios, see `Controller._cost`), timed steps of each shape the controller may pick, interleaved
+between the shapes. CUDA graphs are captured before, so a step here is what a live step costs: graph
+replays plus the host's work. The requests are aborted and the engine's counters restored afterwards;
+only the table remains (`Controller.seed_costs`). Acceptance is not measured here: random prompts say
+nothing about the workload's, which the controller learns online.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from .controller import Shape
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Calibration:
+    """Per (batch size, shape), the wall times of its timed steps; and what the measurement cost."""
+
+    times: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
+    seconds: float = 0.0  # wall time of the whole measurement, prefill of the dummy requests included
+
+    def summary(self) -> dict:
+        """{batch size: {shape label: median ms}} and the time it took, for /server_info."""
+        table: dict = {}
+        for (n, shape), ts in sorted(self.times.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
+            table.setdefault(n, {})[shape.label] = round(sorted(ts)[len(ts) // 2] * 1e3, 3)
+        return {"seconds": round(self.seconds, 2), "step_ms": table}
+
+
+def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
+    """Powers of two up to max_num_seqs (and max_num_seqs itself), as far as `fits` requests fit."""
+    top = min(max_num_seqs, fits)
+    sizes, n = [], 1
+    while n < top:
+        sizes.append(n)
+        n *= 2
+    return sizes + [top] if top >= 1 else sizes
+
+
+def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 1,
+              timed: int = 2) -> Calibration:
+    """Time `rounds` x `timed` steps of every shape (each run after `warmup` untimed steps: the draft's
+    catch-up after a switch, the overlap pipeline filling) at the batch sizes of `batch_sizes` in turn,
+    with dummy requests of
+    `prompt_len` random tokens, as long as the next size (guessed to take twice the last) fits in
+    `budget_s` seconds. The engine must be idle; it is idle again afterwards."""
+    start = time.perf_counter()
+    saved = copy.deepcopy(engine.stats)
+    spec = engine.spec
+    result = Calibration()
+    steps_per_size = rounds * (warmup + timed) * len(shapes)
+    longest = prompt_len + steps_per_size * max(s.num_nodes for s in shapes) + spec.num_slots(shapes[-1]) + 1
+    max_len = engine.config.model.max_model_len
+    if longest >= max_len:
+        prompt_len = max(1, prompt_len - (longest - max_len + 1))
+        longest = max_len - 1
+    block = engine.config.cache.block_size
+    fits = int(0.8 * engine.blocks.num_free_blocks) // -(-longest // block)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=max_len - prompt_len, ignore_eos=True)
+    seqs = []
+    try:
+        last = 0.0
+        for n in batch_sizes(engine.config.scheduler.max_num_seqs, fits):
+            began = time.perf_counter()
+            if began - start + 2 * last > budget_s:
+                break
+            while len(seqs) < n:
+                prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(prompt_len)]
+                seqs.append(engine.add_request(prompt, params, request_id=f"calibration-{len(seqs)}"))
+            spec.forced = shapes[0]
+            while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+                engine.step()
+            for _ in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
+                for shape in shapes:
+                    spec.forced = shape
+                    for _ in range(warmup):
+                        engine.step()
+                    for _ in range(timed):
+                        t0 = time.perf_counter()
+                        engine.step()
+                        result.times.setdefault((n, shape), []).append(time.perf_counter() - t0)
+            last = time.perf_counter() - began
+    finally:
+        spec.forced = None
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        while engine.has_unfinished():
+            engine.step()
+        _restore(engine.stats, saved)
+    result.seconds = time.perf_counter() - start
+    log.info("speculation: step costs of %d shapes at batch sizes %s measured in %.1f s", len(shapes),
+             sorted({n for n, _ in result.times}), result.seconds)
+    return result
+
+
+def _restore(obj, saved) -> None:
+    """Put the counters back as they were, in place (other objects hold references to the nested ones)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(saved, f.name)
+        if dataclasses.is_dataclass(value):
+            _restore(getattr(obj, f.name), value)
+        else:
+            setattr(obj, f.name, value)
