@@ -70,10 +70,11 @@ def _ref(model) -> dict:
 
 def _sse_event(chunk_model) -> dict:
     """The schema of one server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event)."""
-    data = {"type": "string", "contentMediaType": "application/json",
-            "contentSchema": {"anyOf": [_ref(chunk_model), _ref(ErrorResponse)]},
-            "description": f"a {chunk_model.__name__} as JSON (an ErrorResponse if the engine fails during the "
-                           "stream); the last event's data is `[DONE]`"}
+    chunk = {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"anyOf": [_ref(chunk_model), _ref(ErrorResponse)]},
+             "description": f"a {chunk_model.__name__} as JSON (an ErrorResponse if the engine fails during the "
+                            "stream)"}
+    data = {"anyOf": [chunk, {"const": "[DONE]", "description": "the last event"}]}
     return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
 
 

@@ -24,7 +24,8 @@ class ServerOptions:
     served_model_name: Optional[str] = _opt(None, "model name clients send (default: --model as given)")
     max_queued_requests: int = _opt(1024, "requests that may wait beyond max_num_seqs; more get 429")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests may run after SIGTERM before abort")
-    access_log: bool = _opt(False, "log one line per request: client, method, path, status, duration")
+    access_log: bool = _opt(True, "log one line per request: client, method, path, status, duration (on by "
+                                  "default, as in uvicorn: --no-access-log turns it off)")
     tool_call_parser: Optional[str] = _opt(None, "turn tool-call blocks in chat output into tool_calls",
                                            TOOL_CALL_PARSERS)
     reasoning_parser: Optional[str] = _opt(None, "split <think>...</think> into reasoning_content",
@@ -51,8 +52,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     for f in fields(ServerOptions):
         kind = f.type.replace("Optional[", "").rstrip("]")
-        if kind == "bool":
-            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action="store_true",
+        if kind == "bool":  # --flag and --no-flag, as uvicorn's --access-log / --no-access-log
+            group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
                                default=f.default, help=f.metadata["help"])
             continue
         caster = {"int": int, "float": float}.get(kind, str)

@@ -4,12 +4,13 @@ Requests are strictly typed: "5" is not an integer, while a whole-number float s
 Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
 refuse them under --strict-request-fields. Known options that would change the output but that specserve
 does not implement are accepted only at their neutral value (no beam search, no guided decoding, `best_of`
-equal to `n`, ...) and refused otherwise with a message naming the field, never silently ignored.
+1, ...), which is all their schema allows, and refused otherwise with a message naming the field, never
+silently ignored.
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and `min_tokens` are extra sampling
 fields, as in vLLM; `n` choices are n requests of the same prompt. Stop strings must not be empty:
 `"stop": ""` and `"stop": [""]` are both refused.
 
-The response models describe the non-streamed bodies exactly as the server writes them.
+The response models describe the bodies and the streamed chunks exactly as the server writes them.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class StreamOptions(_Strict):
 # Options that change the output and that specserve does not implement:
 # (the one value accepted besides null, why others are refused)
 UNSUPPORTED = {
+    "best_of": (1, "only best_of 1 is supported: the server does not rank choices (use n)"),
     "use_beam_search": (False, "beam search is not supported"),
     "guided_json": (None, "structured output is not supported"),
     "guided_regex": (None, "structured output is not supported"),
@@ -88,14 +90,26 @@ UNSUPPORTED = {
 
 
 def _neutral_only(value, info: ValidationInfo):
+    """Before type checks: a clearer refusal than the types' (which admit only the neutral value)."""
     neutral, why = UNSUPPORTED[info.field_name]
-    if value is not None and value != neutral:
+    if value is None:
+        return None
+    if value != neutral:
         raise ValueError(why)
-    return value
+    return neutral  # 1.0 -> 1
+
+
+# stream_options only with "stream": true, in the schema's words
+STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
 
 
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
 
     model: Optional[str] = None
     stream: bool = False
@@ -117,14 +131,14 @@ class SamplingRequest(_Strict):
     stop_token_ids: Optional[list[TokenId]] = None
     repetition_penalty: Optional[float] = Field(None, gt=0)
     min_tokens: Optional[Annotated[int, Field(ge=0), BeforeValidator(_whole)]] = None
-    use_beam_search: Optional[bool] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[Any] = None
-    guided_choice: Optional[Any] = None
-    guided_grammar: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
+    use_beam_search: Optional[Literal[False]] = None
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    structured_outputs: None = None
 
-    _unsupported = field_validator(*UNSUPPORTED, check_fields=False)(_neutral_only)
+    _unsupported = field_validator(*UNSUPPORTED, mode="before", check_fields=False)(_neutral_only)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -179,16 +193,9 @@ class CompletionRequest(SamplingRequest):
     prompt: Union[Text, TokenIds, _one(Text), _one(TokenIds)] = Field(
         description="one prompt: text or token ids (or a list holding one of them)")
     logprobs: Optional[NumLogprobs] = None
-    echo: Optional[bool] = None
-    suffix: Optional[str] = None
-    best_of: Optional[Int] = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_is_n(cls, v, info: ValidationInfo):
-        if v is not None and v != (info.data.get("n") or 1):
-            raise ValueError("best_of must equal n: the server does not rank choices")
-        return v
+    echo: Optional[Literal[False]] = None
+    suffix: None = None
+    best_of: Optional[Literal[1]] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -258,8 +265,8 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    functions: Optional[list[dict[str, Any]]] = None
-    function_call: Optional[Union[str, dict[str, Any]]] = None
+    functions: None = None
+    function_call: None = None
 
     @field_validator("messages", mode="before")
     @classmethod
