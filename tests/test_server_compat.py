@@ -172,6 +172,7 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 @pytest.mark.parametrize("extra, param", [
     ({"guided_json": {"type": "object"}}, "guided_json"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": 0}, "use_beam_search"), ({"functions": []}, "functions"),
     ({"response_format": {"type": "json_object"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format.type"),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),

@@ -34,7 +34,8 @@ def _whole(value):
 # integer types (constraints before the validator, so that the JSON schema shows them)
 Int = Annotated[int, BeforeValidator(_whole)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
-TokenId = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
+TokenId = Annotated[int, Field(ge=0, description="below the model's vocabulary size (config.json's "
+                                                   "vocab_size): a larger id gets 400"), BeforeValidator(_whole)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), BeforeValidator(_whole)]
 TopK = Annotated[int, Field(ge=-1), BeforeValidator(_whole)]
@@ -94,7 +95,7 @@ def _neutral_only(value, info: ValidationInfo):
     neutral, why = UNSUPPORTED[info.field_name]
     if value is None:
         return None
-    if value != neutral:
+    if value != neutral or isinstance(value, bool) != isinstance(neutral, bool):  # 0 is not false
         raise ValueError(why)
     return neutral  # 1.0 -> 1
 
@@ -191,7 +192,8 @@ def _one(item) -> Any:
 
 class CompletionRequest(SamplingRequest):
     prompt: Union[Text, TokenIds, _one(Text), _one(TokenIds)] = Field(
-        description="one prompt: text or token ids (or a list holding one of them)")
+        description="one prompt: text or token ids (or a list holding one of them); with max_tokens it must fit "
+                    "max_model_len (GET /v1/models), counted in tokens")
     logprobs: Optional[NumLogprobs] = None
     echo: Optional[Literal[False]] = None
     suffix: None = None
