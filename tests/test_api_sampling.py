@@ -11,6 +11,7 @@ import os
 import pytest
 
 from specserve import SamplingParams
+from specserve.server.formatting import MIN_LOGPROB, json_logprob
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 from .test_server import MODEL, PROMPTS, greedy, llm, model, server  # noqa: F401 (fixtures)
@@ -56,6 +57,7 @@ def test_neutral_and_absent_values_are_the_defaults():
 @pytest.mark.parametrize("extra, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": "1.2"}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"), ({"repetition_penalty": 101}, "repetition_penalty"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5"), ({"logit_bias": {"five": 1}}, "logit_bias.five.[key]"),
     ({"logit_bias": {"-5": 1}}, "logit_bias.-5.[key]"), ({"logit_bias": [5]}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
@@ -75,8 +77,6 @@ def test_logit_bias_outside_the_vocabulary_is_refused(server, model):  # noqa: F
 
 
 # ---- end to end, once the engine has the fields ----------------------------------------------------
-@pytest.mark.xfail(reason="the engine does not apply logit_bias yet (945ff34 added the SamplingParams fields, "
-                          "'not applied yet'); remove this mark once it does", strict=False)
 def test_a_bias_of_100_forces_its_token(server, llm):  # noqa: F811
     token = llm.tokenizer.encode(" return", add_special_tokens=False)[0]
     r = post(server, {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 1.0, "ignore_eos": True,
@@ -98,3 +98,11 @@ def test_the_server_samples_as_the_engine_does_with_the_same_params(server, llm,
     assert r.json()["choices"][0]["text"] == ref.text
     if "min_tokens" in extra:
         assert r.json()["usage"]["completion_tokens"] >= extra["min_tokens"]
+
+
+def test_logprobs_stay_json():
+    """A logprob of -inf or NaN (a token the processed logits rule out) goes out as -9999, as from vLLM:
+    JSON has no infinities, and a non-streamed body with one was a 500 (a repetition_penalty of 5e-324,
+    found by schemathesis, now refused)."""
+    assert [json_logprob(x) for x in (-0.5, float("-inf"), float("nan"))] == [-0.5, MIN_LOGPROB, MIN_LOGPROB]
+    json.dumps([json_logprob(float("nan"))], allow_nan=False)

@@ -12,7 +12,7 @@ from jinja2 import TemplateError
 from ..engine.engine import RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
-from .formatting import Envelope, Formatter, new_logprobs
+from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .parsers import ChatDelta, ChatOutputParser, parse_message
 from .protocol import ChatCompletionRequest
@@ -77,7 +77,7 @@ class ChatFormatter(Formatter):
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": json_logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
 
 def _delta_fields(delta: ChatDelta) -> dict:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from ..engine.engine import RequestError, RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
-from .formatting import Envelope, Formatter, new_logprobs
+from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .protocol import CompletionRequest
 from .state import ServerState
@@ -48,8 +48,8 @@ class CompletionFormatter(Formatter):
         for text in texts:
             offsets.append(self.text_offset)
             self.text_offset += len(text)
-        return {"tokens": texts, "token_logprobs": [lp.logprob for _, lp in tokens],
-                "top_logprobs": [{self.token_text(t): v for t, v in lp.top} for _, lp in tokens],
+        return {"tokens": texts, "token_logprobs": [json_logprob(lp.logprob) for _, lp in tokens],
+                "top_logprobs": [{self.token_text(t): json_logprob(v) for t, v in lp.top} for _, lp in tokens],
                 "text_offset": offsets}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -16,6 +17,11 @@ def sse(obj) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+MIN_LOGPROB = -9999.0  # what a logprob of -inf (or NaN) is sent as, as vLLM does: JSON has no infinities
+
+
+def json_logprob(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:

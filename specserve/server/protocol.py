@@ -130,7 +130,8 @@ class SamplingRequest(_Strict):
     min_p: Optional[float] = Field(None, ge=0, le=1)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[TokenId]] = None
-    repetition_penalty: Optional[float] = Field(None, gt=0)
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=100,
+                                                description="> 1 discourages repeats; the range keeps logits finite")
     min_tokens: Optional[Annotated[int, Field(ge=0), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[Literal[False]] = None
     guided_json: None = None
