@@ -15,7 +15,8 @@ buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
 For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
 have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
 machine noise hits them alike. Reports output tokens/s per level and the ratio to plain, and for the
-adaptive policy the mean k it chose.
+adaptive policy the mean k it chose; the JSON also keeps, per level, the adaptive controller's
+explanation (start-up step costs, chosen k and predicted goodput per batch bucket, exploration shares).
 """
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ def main() -> None:
         tput = {n: results[n][c]["output_throughput"] for n in engines}
         row = "  ".join(f"{n} {tput[n]:7.1f}" + (f" ({tput[n] / tput['plain']:.2f}x)" if "plain" in tput else "")
                         for n in engines)
+        for name, engine in engines.items():  # why the adaptive policy chose as it did (Controller.explain)
+            if engine.spec is not None and engine.spec.controller.policy == "adaptive":
+                results[name][c]["controller"] = engine.spec.controller.explain()
         mean_k = results.get("adaptive", {}).get(c, {}).get("mean_k", 0)
         print(f"C={c:<4} {row}  adaptive mean k {mean_k:.2f}", flush=True)
         if args.out:  # after every level, so a run cut short keeps what it measured

@@ -152,3 +152,15 @@ def test_async_engine_streams_and_aborts(hf_models):
         assert engine.healthy
     finally:
         engine.shutdown()
+
+
+def test_token_ids_outside_the_vocabulary_in_options_are_refused_before_any_work(tmp_path):
+    """logit_bias and stop_token_ids name tokens: one outside the vocabulary is a clear error at
+    add_request, not a failure inside a step that other requests share."""
+    from .conftest import make_hf_checkpoint, make_llm
+
+    llm = make_llm(make_hf_checkpoint(str(tmp_path / "m"), "llama", vocab=64))
+    for params in (SamplingParams(logit_bias={64: 1.0}), SamplingParams(stop_token_ids=[99], min_tokens=2)):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.engine.add_request([1, 2, 3], params)
+    assert not llm.engine.has_unfinished()

@@ -153,6 +153,7 @@ class LLMEngine:
         """Validate and queue a request. Raises RequestError (or ValueError for params) before any work."""
         params = params or SamplingParams()
         params.validate()
+        params.check_token_ids(self.arch.vocab_size)
         ids = self.tokenize(prompt)
         self.check_prompt(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
