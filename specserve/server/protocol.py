@@ -132,7 +132,8 @@ class SamplingRequest(_Strict):
     stop_token_ids: Optional[list[TokenId]] = None
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=100,
                                                 description="> 1 discourages repeats; the range keeps logits finite")
-    min_tokens: Optional[Annotated[int, Field(ge=0), BeforeValidator(_whole)]] = None
+    min_tokens: Optional[Annotated[int, Field(ge=0, description="at most max_tokens (16 by default for "
+                                                               "completions)"), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[Literal[False]] = None
     guided_json: None = None
     guided_regex: None = None

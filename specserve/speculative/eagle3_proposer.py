@@ -10,13 +10,6 @@ need rolling back in the draft cache.
 Prefix hits: the one pair that crosses into the first uncached block needs the target feature of the
 last cached position, which was not computed; every block keeps that row (`block_features`, aux_dim
 per block), so a request that starts on h cached blocks starts with h*block_size - 1 pairs done.
-
-Plain steps (the controller decoding without drafts) leave the draft behind: it keeps the features of
-at most the latest `max_pending` (= draft steps + 1) positions, and when drafting resumes it catches up
-on those only, within the draft's CUDA graph, skipping the older ones: their draft KV holds whatever
-the slot held before. Drafts after a long plain phase may be accepted less for a while (verification
-keeps the output exact), but neither the memory kept during plain phases nor the first draft step
-after one grows with its length: a controller's probe costs a few ordinary draft steps.
 """
 from __future__ import annotations
 
@@ -84,7 +77,6 @@ class Eagle3Proposer(Proposer):
         self.block_features = torch.zeros(num_slots_total // block_size, len(self.aux_layers) * target_arch.hidden_size,
                                           dtype=dtype, device=device)
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
-        self.max_pending = config.speculative_num_steps + 1  # positions kept for a catch-up after plain steps
         self._depths: dict[Shape, torch.Tensor] = {}
         self.graphs: Optional[DraftGraphs] = None  # steady-state drafting replayed from CUDA graphs
 
@@ -92,7 +84,7 @@ class Eagle3Proposer(Proposer):
         return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
 
     def observe(self, aux: torch.Tensor, committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
-        bs, blocks, rows, behind = self.block_size, [], [], []
+        bs, blocks, rows = self.block_size, [], []
         for seq, idx in committed:
             end = seq.num_computed_tokens
             start = end - len(idx)
@@ -103,45 +95,11 @@ class Eagle3Proposer(Proposer):
                     block = seq.block_table[start // bs - 1]
                     seq.draft_state.pending.append((self.block_features, range(block, block + 1)))
             seq.draft_state.pending.append((aux, idx))
-            if end - seq.draft_state.computed > self.max_pending:
-                behind.append(seq)
             for i in range(bs - 1 - start % bs, end - start, bs):  # rows at the last position of a block
                 blocks.append(seq.block_table[(start + i) // bs])
                 rows.append(idx[i])
         if blocks:  # one copy per step for every sequence
             self.block_features[self._ids(blocks)] = aux[self._ids(rows)]
-        if behind:
-            self._bound(behind)
-
-    @torch.inference_mode()
-    def _bound(self, seqs: list[Sequence]) -> None:
-        """Keep at most `max_pending` positions pending per sequence: pairs within the prompt get their
-        draft KV now (one draft forward for the step's prefill chunks); pairs of plain decode steps older
-        than the latest `max_pending` are skipped."""
-        store, ends = [], []
-        for seq in seqs:
-            end = min(seq.num_prompt_tokens - 1, seq.num_computed_tokens)  # pair j needs token j + 1
-            if end > seq.draft_state.computed:
-                store.append(seq)
-                ends.append(end)
-        if store:
-            self._store_kv(store, ends)
-        for seq in seqs:
-            excess = seq.num_computed_tokens - seq.draft_state.computed - self.max_pending
-            if excess > 0:
-                self._skip(seq.draft_state, excess)
-
-    @staticmethod
-    def _skip(state: DraftState, n: int) -> None:
-        """Drop the n oldest pending pairs: the draft KV of their slots is left as it is."""
-        state.computed += n
-        while n:
-            t, rows = state.pending[0]
-            if len(rows) > n:
-                state.pending[0] = (t, rows[n:])
-                return
-            state.pending.pop(0)
-            n -= len(rows)
 
     def _features(self, state: DraftState) -> torch.Tensor:
         """[pending pairs, aux_dim]: the pending features, gathered."""
@@ -246,13 +204,10 @@ class Eagle3Proposer(Proposer):
             if end > state.computed:
                 behind.append(seq)
                 ends.append(end)
-        if behind:
-            self._store_kv(behind, ends)
-
-    def _store_kv(self, seqs: list[Sequence], ends: list[int]) -> None:
-        """Compute the draft KV of each sequence's pending pairs up to ends[i] - 1: no attention, no outputs."""
-        pairs = self._take_pairs(seqs, ends)
-        self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), self._ids(pairs.slots))
+        if behind:  # only the draft KV of these blocks is wanted: no attention, no outputs
+            pairs = self._take_pairs(behind, ends)
+            self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions),
+                                self._ids(pairs.slots))
 
     def _catch_up(self, seqs: list[Sequence], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over every committed pair it has not seen; return the last pair's logits and
