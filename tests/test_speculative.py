@@ -167,7 +167,7 @@ def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=3,
                    speculative_policy=policy, speculative_disable_batch_threshold=4)
     controller = llm.engine.spec.controller
-    controller.probe_every = 3  # switch often
+    controller.probe_every, controller.exploration_budget = 3, 1.0  # switch often: probes cost nothing
     seen = set()
     original = controller.choose
     controller.choose = lambda b: _record(seen, original(b))

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):  # a tuple: hashed and compared in C, as dict keys read every step are
     steps: int
     topk: int
     num_nodes: int
@@ -71,9 +69,13 @@ class Recent:
 
     def __init__(self, size: int):
         self.values: deque[float] = deque(maxlen=size)
+        self.total = 0.0  # running sum: the mean is read every decision, from windows of hundreds
 
     def add(self, x: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            self.total -= self.values[0]
         self.values.append(x)
+        self.total += x
 
     def __len__(self) -> int:
         return len(self.values)
@@ -84,7 +86,7 @@ class Recent:
 
     @property
     def mean(self) -> float:
-        return sum(self.values) / len(self.values)
+        return self.total / len(self.values)
 
 
 def robust_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -105,10 +107,14 @@ class StepTimes:
     def __init__(self, size: int):
         self.samples: deque[tuple[int, float]] = deque(maxlen=size)  # (batch size, seconds)
         self._fit: Optional[tuple[float, float]] = None
+        self._medians: dict = {}  # (batch size, plain's version) -> median time (read every decision)
+        self.version = 0  # samples added so far
 
     def add(self, batch_size: int, seconds: float) -> None:
         self.samples.append((batch_size, seconds))
         self._fit = None
+        self._medians = {}
+        self.version += 1
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -119,11 +125,14 @@ class StepTimes:
         intercept, slope = self._fit
         return intercept + slope * batch_size
 
-    def scaled(self, batch_size: int, plain: Optional["StepTimes"]) -> list[float]:
-        """The times, each as if taken at this batch size."""
-        if plain is None:
-            return [t for _, t in self.samples]
-        return [t * plain.line(batch_size) / plain.line(n) for n, t in self.samples]
+    def median(self, batch_size: int, plain: Optional["StepTimes"]) -> float:
+        """The median of the times, each as if taken at this batch size (scaled by plain's line)."""
+        key = (batch_size, plain.version if plain is not None else None)
+        if key not in self._medians:
+            times = [t for _, t in self.samples] if plain is None else \
+                [t * plain.line(batch_size) / plain.line(n) for n, t in self.samples]
+            self._medians[key] = statistics.median(times)
+        return self._medians[key]
 
 
 class Pinned:
@@ -164,7 +173,9 @@ class Controller:
         self.current: dict[int, Shape] = {}
         self.next_probe: dict[int, int] = {}  # per bucket: the step count from which it may probe again
         self.credit: dict[int, float] = {}  # per bucket: seconds of serving time it may still lose exploring
-        self.probe_price: dict[int, float] = {}  # per bucket: what the last probe lost (catch-up included)
+        # the latest draft catch-ups: seconds over an ordinary step, and pairs caught up on
+        self.catch_up_seconds, self.catch_up_pairs = Recent(16), Recent(16)
+        self.plain_steps = 0  # decode steps since the last one that drafted (its catch-up grows with them)
         self.probes: dict[int, int] = {}  # per bucket: probes made (every second one goes to the runner-up)
         self.probing: dict[int, list[Shape]] = {}  # per bucket: the probe's steps still to take
         self.stale: set[tuple[int, Shape]] = set()  # probed, and the old estimate not yet replaced
@@ -260,16 +271,27 @@ class Controller:
             shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
         per_step = self._loss(b, shape, best, batch_size, self.seconds(b, shape, batch_size)) \
             if self._priced(b, shape) else self.seconds(b, best, batch_size)  # unpriced: dear
-        price = max(self.min_samples * per_step, self.probe_price.get(b, 0.0))
+        price = self.min_samples * per_step + (self.catch_up_price(b, batch_size) if best == PLAIN else 0.0)
         credit = self.credit[b] = min(self.credit.get(b, 0.0), 2 * price)  # no bursts after a long calm
-        if credit < price:
+        if credit < price:  # look again when the credit should cover it (or sooner, as the price may change)
+            earned = self.exploration_budget * self.seconds(b, best, batch_size)  # per step
+            wait = (price - credit) / max(earned, 1e-12)
+            self.next_probe[b] = self.steps_taken + max(1, min(self.probe_every, int(wait)))
             return best
         self.next_probe[b] = self.steps_taken + self.probe_every
         self.probes[b] = self.probes.get(b, 0) + 1
-        self.probe_price[b] = 0.0
         self.stale.add((b, shape))
         self.probing[b] = [shape] * (self.min_samples - 1)
         return shape
+
+    def catch_up_price(self, b: int, batch_size: int) -> float:
+        """What a draft's first step after the plain steps since the last draft step would cost on top of
+        an ordinary one: the pairs it catches up on (batch size x plain steps) at the cost per pair seen
+        in the latest catch-ups (any bucket's, sums over sums: large ones weigh most; none before the
+        first: that one probe teaches it)."""
+        pairs = self.catch_up_pairs.total
+        per_pair = max(0.0, self.catch_up_seconds.total) / pairs if pairs else 0.0
+        return per_pair * batch_size * self.plain_steps
 
     def _loss(self, b: int, shape: Shape, best: Shape, batch_size: int, seconds: float) -> float:
         """Serving time a step of `shape` taking `seconds` loses against the best shape's goodput."""
@@ -323,7 +345,7 @@ class Controller:
         ratio = self._ratio(b, shape) if not self._samples(b, shape) else None
         if ratio is not None:
             return plain.line(batch_size) * ratio
-        return statistics.median(self.step_time[(b, shape)].scaled(batch_size, plain))
+        return self.step_time[(b, shape)].median(batch_size, plain)
 
     def _ratio(self, b: int, shape: Shape) -> Optional[float]:
         """A draft shape's cost over plain's in the nearest smaller bucket that measured both, or None."""
@@ -356,27 +378,35 @@ class Controller:
         self.position_accept = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(len(self.position_accept))]
 
     # ---- observations -------------------------------------------------------------------------
-    def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True) -> None:
+    def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True,
+                    caught_up: int = 0) -> None:
         """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
         measured at different times, so times are kept at a per-bucket speed index, which the steps of
         the chosen shape track: the shape that runs anchors the others, which only probes measure, so
         a slower machine leaves their comparison as it was, and a probe of plain tells a dearer draft
         from a slower machine. Every step earns the bucket `exploration_budget` of its time as credit;
         a step of another shape than the chosen one is charged what it lost against it. A step that is
-        not `typical` of its shape (a draft catching up after plain steps) is charged but not timed."""
+        not `typical` of its shape (a draft catching up on `caught_up` pairs after plain steps) is charged
+        but not timed; what it cost over an ordinary step prices later probes' catch-ups."""
         b = bucket(batch_size)
         self._account(b, shape, batch_size, seconds)
+        self.plain_steps = self.plain_steps + 1 if shape == PLAIN else 0
         if not typical:
+            if caught_up and self._priced(b, shape):
+                self.catch_up_seconds.add(seconds - self.seconds(b, shape, batch_size))  # noise averages out
+                self.catch_up_pairs.add(caught_up)
             return
         if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old estimate
             self.stale.discard((b, shape))
             self.step_time.pop((b, shape), None)
-        if shape == self.current.get(b) and self._samples(b, shape) >= self.window:
-            implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
-            implied.add(seconds / self._cost(b, shape, batch_size))
-        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
         self.records += 1
         self.last_sample[(b, shape)] = self.records
+        if shape == self.current.get(b) and self._samples(b, shape) >= self.window:
+            # the chosen shape's times are known: its steps move the speed index (all shapes alike), not them
+            implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
+            implied.add(seconds / self._cost(b, shape, batch_size))
+            return
+        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
 
     def _account(self, b: int, shape: Shape, batch_size: int, seconds: float) -> None:
         """The exploration budget's books: credit earned, and what a step away from the choice lost."""
@@ -388,7 +418,6 @@ class Controller:
         loss = self._loss(b, shape, best, batch_size, seconds)
         self.credit[b] -= loss
         self.exploration_loss[b] = self.exploration_loss.get(b, 0.0) + loss
-        self.probe_price[b] = self.probe_price.get(b, 0.0) + loss
 
     def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None) -> None:
         """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the

@@ -149,5 +149,6 @@ class SpecDecoder:
         it."""
         if self.forced is not None:
             return
-        typical = not drafted or self.proposer.last_catch_up <= drafted * (shape.steps + 1)
-        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical)
+        caught_up = self.proposer.last_catch_up if drafted else 0
+        typical = caught_up <= drafted * (shape.steps + 1)
+        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up)
