@@ -169,8 +169,10 @@ class Controller:
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
         self.acceptance_window = acceptance_window
+        self.changes = 0  # observations that can move a decision (times of shapes not running, acceptance)
         self.forget_acceptance()
         self.current: dict[int, Shape] = {}
+        self.decided_on: dict[int, tuple[int, int]] = {}  # per bucket: (batch size, changes) of its last decision
         self.next_probe: dict[int, int] = {}  # per bucket: the step count from which it may probe again
         self.credit: dict[int, float] = {}  # per bucket: seconds of serving time it may still lose exploring
         # the latest draft catch-ups: seconds over an ordinary step, and pairs caught up on
@@ -202,6 +204,11 @@ class Controller:
         self.decided[b] = self.decided.get(b, 0) + 1
         if self.probing.get(b):
             return self._explore(b, self.probing[b].pop())
+        key = (batch_size, self.changes)  # nothing the choice depends on changed (a uniform speed-up does not)
+        if self.decided_on.get(b) == key and b in self.current:
+            best = self.current[b]
+            shape = self._maybe_probe(b, best, batch_size)
+            return shape if shape == best else self._explore(b, shape)
         measured = []
         for shape in self.shapes:  # explore in order of cost; stop once a larger shape already lost
             if not self._priced(b, shape):
@@ -223,6 +230,7 @@ class Controller:
             best = PLAIN
         self.current[b] = best
         self.predicted[b] = scores
+        self.decided_on[b] = key
         shape = self._maybe_probe(b, best, batch_size)
         return shape if shape == best else self._explore(b, shape)
 
@@ -371,11 +379,13 @@ class Controller:
         depth = max(s.steps for s in self.shapes)
         self.position_accept = [Recent(self.acceptance_window) for _ in range(depth)]
         self.tree_tokens = Recent(self.acceptance_window)
+        self.changes += 1
 
     def pin_acceptance(self, rates: list[float]) -> None:
         """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:
         for benchmarks of random weights, which accept nothing, and for tests of the step-time side alone."""
         self.position_accept = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(len(self.position_accept))]
+        self.changes += 1
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True,
@@ -407,6 +417,7 @@ class Controller:
             implied.add(seconds / self._cost(b, shape, batch_size))
             return
         self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
+        self.changes += 1
 
     def _account(self, b: int, shape: Shape, batch_size: int, seconds: float) -> None:
         """The exploration budget's books: credit earned, and what a step away from the choice lost."""
@@ -424,12 +435,14 @@ class Controller:
         seconds of a few steps. They stand as each shape's estimate in the batch size's bucket until live
         steps (of the chosen shape) or probes (of the others) replace them. `summary` is shown by `explain`."""
         self.calibration = summary
+        self.changes += 1
         for (n, shape), seconds in times.items():
             window = self.step_time.setdefault((bucket(n), shape), StepTimes(self.window))
             for t in seconds:
                 window.add(n, t)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
+        self.changes += 1
         if shape.topk > 1:
             self.tree_tokens.add(1.0 + num_accepted)
             return
