@@ -5,12 +5,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+
 
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 is greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature below 1e-5 (0 included) is greedy, as in vLLM: smaller ones would scale the logits past
+    float32's range. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs; top_p always keeps
+    the most likely token, however small it is.
     `logprobs` asks for the log-probability of each sampled token plus that many top alternatives
     (0: the sampled token only). Stop strings are removed from the returned text. `seed` (any integer,
     taken mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the
@@ -120,7 +124,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError if logit_bias or stop_token_ids name a token outside the vocabulary (the

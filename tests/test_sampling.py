@@ -72,3 +72,24 @@ def test_logprobs(llm, next_token_logits):
     assert out.token_ids[0] == int(ref.argmax())
     assert abs(lp.logprob - ref.max().item()) < 1e-4
     assert [t for t, _ in lp.top] == ref.topk(3).indices.tolist()
+
+
+def test_tiny_temperature_is_greedy_and_tiny_top_p_keeps_the_top_token(llm):
+    """vLLM's rule: a temperature below 1e-5 is greedy (1e-300 used to underflow to 0 in float32, making
+    the logits inf / NaN and the sample an arbitrary token); top_p 1e-300 (0 in float32) keeps the most
+    likely token rather than none. Logits [1, 3, 2]: token 1 every time, seeded or not."""
+    from specserve.layers.sampler import Sampler, filtered_logits
+
+    logits = torch.tensor([[1.0, 3.0, 2.0]]).repeat(64, 1)
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=9e-6),
+                   SamplingParams(temperature=1.0, top_p=1e-300), SamplingParams(temperature=1e-300, top_p=1e-300),
+                   SamplingParams(temperature=1.0, top_p=1e-300, seed=7)):
+        rows = [params] * 64
+        assert Sampler()(logits, rows, positions=list(range(64))).tolist() == [1] * 64, params
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-5).greedy
+    kept = filtered_logits(logits[:1], [SamplingParams(top_p=1e-300)])
+    assert torch.isfinite(kept).tolist() == [[False, True, False]]
+    want = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    for params in (dict(temperature=1e-300), dict(temperature=1.0, top_p=1e-300), dict(temperature=1e-300, seed=3)):
+        out = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True, **params))[0]
+        assert out.token_ids == want, params

@@ -77,13 +77,13 @@ def seeded_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positi
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature-scaled logits with tokens outside top-k, then top-p, then min-p set to -inf.
 
-    logits [n, vocab] fp32, one row per params entry (rows with temperature 0 are left unscaled).
+    logits [n, vocab] fp32, one row per params entry (greedy rows, temperature < 1e-5, are left unscaled).
     The distribution softmax(filtered_logits) is the one sampling draws from; speculative verification
     uses the same function so that it accepts against exactly this distribution. Each row is filtered
     by its own params only: what other rows of the batch ask for changes nothing in it.
     """
     device = logits.device
-    temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32, device)
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
     logits = logits / temps.unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -96,7 +96,8 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
-        drop_sorted = (before >= top_p) & (top_p < 1)  # the first token is always kept; top_p 1 keeps all
+        drop_sorted = (before >= top_p) & (top_p < 1)  # top_p 1 keeps all
+        drop_sorted[:, 0] = False  # the most likely token is always kept (top_p 1e-300 is 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if any(p.min_p > 0 for p in params):
