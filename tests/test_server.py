@@ -283,8 +283,9 @@ def test_tools_render_through_the_template(client):
                                            temperature=0, stream=stream)
         chunks = list(r) if stream else [r]
         assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
-    with pytest.raises(openai.BadRequestError, match="tool_choice"):
-        client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required")
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):  # forced calls: test_api_structured.py
+        client.chat.completions.create(model=MODEL, messages=messages, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "not_a_tool"}})
 
 
 # ---- bad input ----------------------------------------------------------------------------------

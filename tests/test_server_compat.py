@@ -171,12 +171,11 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"guided_json": {"type": "object"}}, "guided_json"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"guided_regex": "a+"}, "guided_regex"), ({"use_beam_search": True}, "use_beam_search"),
     ({"use_beam_search": 0}, "use_beam_search"), ({"functions": []}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format.type"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
 ])
 def test_options_that_change_the_output_are_refused_not_ignored(server, extra, param):  # noqa: F811
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra}

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template; the output split into
-reasoning, content and tool calls by the configured parsers."""
+reasoning, content and tool calls by the configured parsers. A forced tool call (tool_choice "required" or
+a named function, structured.py) is framed as a hermes block and parsed as one."""
 from __future__ import annotations
 
 import uuid
@@ -14,20 +15,30 @@ from ..engine.sequence import TokenLogprob
 from .errors import bad_request
 from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
-from .parsers import ChatDelta, ChatOutputParser, parse_message
+from .parsers import ChatDelta, ChatOutputParser, FramedOutputParser, parse_message
 from .protocol import ChatCompletionRequest
 from .state import ServerState
+from .structured import ForcedToolCall, check_grammar, forced_tool_call, guided_param
 
 
 class ChatFormatter(Formatter):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, reasoning_parser: Optional[str], tools: bool, **kwargs):
+    def __init__(self, *args, reasoning_parser: Optional[str], tools: bool, guided: bool = False,
+                 frame: Optional[ForcedToolCall] = None, **kwargs):
+        """guided: the output is constrained from its first token, so it holds no reasoning (and is not
+        read for any); frame: the framing of a forced tool call."""
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
+        self.guided = guided
         self.tools = tools
-        self.parser = ChatOutputParser(reasoning_parser, tools)  # the streamed response's
+        self.frame = frame
+        self.parser = self._new_parser()  # the streamed response's
+
+    def _new_parser(self):
+        parser = ChatOutputParser(None if self.guided else self.reasoning_parser, self.tools)
+        return FramedOutputParser(parser, self.frame.prefix, self.frame.suffix) if self.frame else parser
 
     # ---- streamed -------------------------------------------------------------------------------
     def first_chunks(self) -> list[dict]:
@@ -52,7 +63,7 @@ class ChatFormatter(Formatter):
 
     # ---- not streamed ---------------------------------------------------------------------------
     def choice(self, out: RequestOutput) -> dict:
-        parser = ChatOutputParser(self.reasoning_parser, self.tools)
+        parser = self._new_parser()
         parsed = parse_message(parser, out.text)
         message = {"role": "assistant", "content": parsed.content}
         if self.reasoning_parser:
@@ -67,7 +78,7 @@ class ChatFormatter(Formatter):
                 "finish_reason": self._finish_reason(parser, out.finish_reason)}
 
     @staticmethod
-    def _finish_reason(parser: ChatOutputParser, reason: str) -> str:
+    def _finish_reason(parser, reason: str) -> str:
         return "tool_calls" if reason == "stop" and parser.num_tool_calls else reason
 
     def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
@@ -91,8 +102,9 @@ def _delta_fields(delta: ChatDelta) -> dict:
     return fields
 
 
-def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The messages (and tools) through the tokenizer's chat template, as token ids."""
+def render_prompt(tokenizer, req: ChatCompletionRequest, then: str = "") -> list[int]:
+    """The messages (and tools) through the tokenizer's chat template, followed by `then` (the start of
+    the answer), as token ids."""
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
@@ -101,20 +113,24 @@ def render_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
                                              **(req.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens itself
+    return tokenizer.encode(text + then, add_special_tokens=False)  # the template wrote any special tokens itself
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     engine, req = await parse_request(request, state, ChatCompletionRequest)
     tools = req.wants_tool_calls
-    if tools and state.options.tool_call_parser is None:
+    frame = forced_tool_call(req)  # the server frames and parses a forced call itself: no parser option needed
+    if tools and frame is None and state.options.tool_call_parser is None:
         raise bad_request("this server parses no tool calls: start it with --tool-call-parser, "
                           "or send tool_choice 'none'", "tools")
-    prompt_ids = render_prompt(engine.tokenizer, req)
+    prompt_ids = render_prompt(engine.tokenizer, req, frame.prefix if frame else "")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs)
+    params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs,
+                             {"guided_json": frame.schema} if frame else None)
+    await check_grammar(engine.tokenizer, params, guided_param(req))
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
-                                reasoning_parser=state.options.reasoning_parser, tools=tools)
+                                reasoning_parser=state.options.reasoning_parser, tools=tools, guided=params.guided,
+                                frame=frame)
                   for index in range(req.num_choices)]
     return await respond(request, state, req, prompt_ids, params, formatters)

@@ -1,4 +1,4 @@
-"""POST /v1/completions: text (or token ids) in, text out."""
+"""POST /v1/completions: text (or token ids) in, text out (JSON with response_format / guided_json)."""
 from __future__ import annotations
 
 import uuid
@@ -14,6 +14,7 @@ from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .protocol import CompletionRequest
 from .state import ServerState
+from .structured import check_grammar, guided_param
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -60,6 +61,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     except RequestError as e:
         raise bad_request(str(e), "prompt") from None
     params = sampling_params(engine, req, prompt_ids, "prompt", req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
+    await check_grammar(engine.tokenizer, params, guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, index)
                   for index in range(req.num_choices)]

@@ -68,11 +68,12 @@ def as_api_error(exc: BaseException) -> APIError:
 
 def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[int], prompt_param: str,
                     max_tokens: Optional[int], default_max_tokens: Optional[int],
-                    logprobs: Optional[int]) -> SamplingParams:
+                    logprobs: Optional[int], guided: Optional[dict] = None) -> SamplingParams:
     """Check the prompt, the stop token ids and logit_bias's token ids against the vocabulary, the output
     length against max_model_len; build the request's SamplingParams.
 
-    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left.
+    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left. `guided`:
+    the structured-output arguments (default: the request's response_format / guided_json).
     """
     core = engine.engine
     try:
@@ -89,8 +90,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
                           f"max_model_len {max_len}: ask for at most {room}", "max_tokens")
     if (req.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
+    options = req.sampling_options(max_tokens, logprobs)
+    options.update(req.guided_options() if guided is None else guided)
     try:
-        return SamplingParams(**req.sampling_options(max_tokens, logprobs))
+        return SamplingParams(**options)
     except ValueError as e:
         raise bad_request(str(e)) from None
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 
 class TagFinder:
@@ -349,6 +349,27 @@ class ChatOutputParser:
         return ChatDelta(r.reasoning, t.content, t.tool_calls) + ChatDelta("", end.content, end.tool_calls)
 
 
+class FramedOutputParser:
+    """A parser over `prefix` + the output + `suffix`: for an output that is the inside of a block whose
+    opening is in the prompt and whose end is implied (a forced tool call, server/structured.py)."""
+
+    def __init__(self, inner: ChatOutputParser, prefix: str, suffix: str):
+        self.inner = inner
+        self.prefix = prefix
+        self.suffix = suffix
+
+    @property
+    def num_tool_calls(self) -> int:
+        return self.inner.num_tool_calls
+
+    def feed(self, text: str) -> ChatDelta:
+        text, self.prefix = self.prefix + text, ""
+        return self.inner.feed(text)
+
+    def finish(self) -> ChatDelta:
+        return self.feed(self.suffix) + self.inner.finish()
+
+
 @dataclass
 class ParsedMessage:
     """A whole chat response's text, split: what goes into a non-streamed `message`."""
@@ -366,7 +387,7 @@ class ParsedMessage:
             self.tool_calls[piece.index]["arguments"] += piece.arguments
 
 
-def parse_message(parser: ChatOutputParser, text: str) -> ParsedMessage:
+def parse_message(parser: Union[ChatOutputParser, FramedOutputParser], text: str) -> ParsedMessage:
     """The whole text through the same parser a stream uses."""
     message = ParsedMessage()
     message.add(parser.feed(text) + parser.finish())

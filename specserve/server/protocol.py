@@ -3,9 +3,12 @@
 Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON
 Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
 refuse them under --strict-request-fields. Known options that would change the output but that specserve
-does not implement are accepted only at their neutral value (no beam search, no guided decoding, `best_of`
-1, ...), which is all their schema allows, and refused otherwise with a message naming the field, never
-silently ignored.
+does not implement are accepted only at their neutral value (no beam search, no regex or grammar guided
+decoding, `best_of` 1, ...), which is all their schema allows, and refused otherwise with a message naming
+the field, never silently ignored.
+Structured output (server/structured.py): `response_format` json_object / json_schema (OpenAI's) and
+`guided_json` (vLLM's, a schema or its JSON text) on both endpoints; `tool_choice` "required" or a named
+function on chat.
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and `min_tokens` are extra sampling
 fields, as in vLLM; `n` choices are n requests of the same prompt. Stop strings must not be empty:
 `"stop": ""` and `"stop": [""]` are both refused.
@@ -14,6 +17,7 @@ The response models describe the bodies and the streamed chunks exactly as the s
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -56,10 +60,11 @@ def unknown_fields(body: Any, data: Any, prefix: str = "") -> list[str]:
     """Dotted paths (`messages.0.refusal`) of the fields of `data`, the parsed JSON, that `body`, the model
     validated from it, ignored."""
     if isinstance(body, BaseModel) and isinstance(data, dict):
+        names = {f.alias or name: name for name, f in type(body).model_fields.items()}  # JSON key -> field
         found = []
         for key, value in data.items():
-            if key in type(body).model_fields:
-                found += unknown_fields(getattr(body, key), value, f"{prefix}{key}.")
+            if key in names:
+                found += unknown_fields(getattr(body, names[key]), value, f"{prefix}{key}.")
             else:
                 found.append(prefix + key)
         return found
@@ -78,11 +83,10 @@ class StreamOptions(_Strict):
 UNSUPPORTED = {
     "best_of": (1, "only best_of 1 is supported: the server does not rank choices (use n)"),
     "use_beam_search": (False, "beam search is not supported"),
-    "guided_json": (None, "structured output is not supported"),
-    "guided_regex": (None, "structured output is not supported"),
-    "guided_choice": (None, "structured output is not supported"),
-    "guided_grammar": (None, "structured output is not supported"),
-    "structured_outputs": (None, "structured output is not supported"),
+    "guided_regex": (None, "guided_regex is not supported: use guided_json or response_format"),
+    "guided_choice": (None, "guided_choice is not supported: use guided_json (an enum) or response_format"),
+    "guided_grammar": (None, "guided_grammar is not supported: use guided_json or response_format"),
+    "structured_outputs": (None, "structured_outputs is not supported: use guided_json or response_format"),
     "echo": (False, "echo is not supported"),
     "suffix": (None, "suffix is not supported"),
     "functions": (None, "functions is not supported: use tools"),
@@ -105,6 +109,58 @@ STREAM_OPTIONS_NEED_STREAM = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
 }
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(description="the schema's name (not used by the server)")
+    description: Optional[str] = None
+    json_schema: dict[str, Any] = Field({}, alias="schema", description="the JSON schema the output must match "
+                                        "(default: any JSON value); one the grammar compiler cannot use gets 400")
+    strict: Optional[bool] = Field(None, description="the output is always constrained, as in vLLM: properties "
+                                                     "the schema does not name are never generated")
+
+
+# json_schema with "type": "json_schema" only, and then required, in the schema's words
+JSON_SCHEMA_WITH_ITS_TYPE = {
+    "if": {"properties": {"type": {"const": "json_schema"}}},
+    "then": {"required": ["json_schema"]},
+    "else": {"not": {"required": ["json_schema"]}},
+}
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's: "text" (no constraint), "json_object" (any JSON object) or "json_schema" (a match of
+    json_schema.schema)."""
+
+    model_config = ConfigDict(json_schema_extra=JSON_SCHEMA_WITH_ITS_TYPE)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec = Field(None, description="with type json_schema only (then required)",
+                                        json_schema_extra=lambda schema: schema.pop("default", None))
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and not allowed otherwise")
+        return self
+
+
+GuidedJson = Annotated[Union[dict[str, Any], str], Field(description="vLLM's: the JSON schema the output must "
+                                                                     "match, or its JSON text (one the grammar "
+                                                                     "compiler cannot use gets 400)")]
+
+
+def _schema_text(v):
+    """guided_json given as JSON text must hold an object (a schema)."""
+    if isinstance(v, str):
+        try:
+            schema = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"guided_json is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("guided_json must be a JSON schema (an object)")
+        return schema
+    return v
 
 
 class SamplingRequest(_Strict):
@@ -135,13 +191,26 @@ class SamplingRequest(_Strict):
     min_tokens: Optional[Annotated[int, Field(ge=0, description="at most max_tokens (16 by default for "
                                                                "completions)"), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[Literal[False]] = None
-    guided_json: None = None
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[GuidedJson] = None
     guided_regex: None = None
     guided_choice: None = None
     guided_grammar: None = None
     structured_outputs: None = None
 
     _unsupported = field_validator(*UNSUPPORTED, mode="before", check_fields=False)(_neutral_only)
+
+    @field_validator("guided_json", mode="after")
+    @classmethod
+    def _guided_json_schema(cls, v):
+        return _schema_text(v)
+
+    @model_validator(mode="after")
+    def _one_format(self):
+        if self.guided_json is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("guided_json and response_format exclude each other: send one")
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -167,6 +236,17 @@ class SamplingRequest(_Strict):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    def guided_options(self) -> dict[str, Any]:
+        """SamplingParams' structured-output arguments for response_format / guided_json (none for text)."""
+        fmt = self.response_format
+        if self.guided_json is not None:
+            return {"guided_json": self.guided_json}
+        if fmt is not None and fmt.type == "json_object":
+            return {"guided_json_object": True}
+        if fmt is not None and fmt.type == "json_schema":
+            return {"guided_json": fmt.json_schema.json_schema}
+        return {}
 
     def sampling_options(self, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
         """SamplingParams' keyword arguments for this request (`logit_bias` with int keys)."""
@@ -248,15 +328,13 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class NamedFunction(_Strict):
+    name: str
 
-    @field_validator("type", mode="before")
-    @classmethod
-    def _text_only(cls, v):
-        if isinstance(v, str) and v != "text":
-            raise ValueError(f"{v!r} is not supported: only 'text'")
-        return v
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -265,9 +343,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[NumLogprobs] = None
     tools: Optional[list[Tool]] = None
-    tool_choice: Optional[Literal["auto", "none"]] = None
+    tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = Field(
+        None, description="'required' or a named function: the output is constrained to a call (of one of the "
+                          "tools, or of that function) and comes back as tool_calls")
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     functions: None = None
     function_call: None = None
@@ -279,13 +358,6 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("messages must not be empty")
         return v
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _auto_or_none(cls, v):
-        if v not in (None, "auto", "none"):
-            raise ValueError("only tool_choice 'auto' and 'none' are supported")
-        return v
-
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
@@ -295,6 +367,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def wants_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """tool_choice 'required' or a named function: the output must be a tool call."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def num_logprobs(self) -> Optional[int]:

@@ -1,0 +1,106 @@
+"""Structured output on the server: OpenAI's `response_format` and `tool_choice`, vLLM's `guided_json`, onto
+the engine's grammar (`SamplingParams.guided_json` / `guided_json_object`, layers/grammar.py).
+
+- `response_format` {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema":
+  {"schema": S}}: a match of S; {"type": "text"}: no constraint. `guided_json` S (or its JSON text): as
+  json_schema. Both endpoints.
+- `tool_choice` "required" or {"type": "function", "function": {"name": X}} (chat): the output is
+  constrained to a tool call and comes back as `tool_calls` with finish_reason "tool_calls"
+  (`forced_tool_call`).
+
+A schema is compiled before the request is submitted, so one the grammar compiler cannot use gets a 400
+naming the problem rather than a failed stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..sampling_params import SamplingParams
+from .errors import bad_request
+from .parsers import TOOL_CLOSE, TOOL_OPEN
+from .protocol import ChatCompletionRequest, Tool
+
+
+@dataclass(frozen=True)
+class ForcedToolCall:
+    """How a request whose output must be a tool call is framed in the hermes format.
+
+    The tool-call parser (parsers.HermesToolParser, the only one the server has, and the format of the
+    shipped model's chat template) reads `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`.
+    The engine's grammar is a JSON schema, so it constrains the JSON inside the block and the tags around
+    it are the server's: `prefix` ends the prompt (the model continues a block it has been trained to
+    write) and is fed to the parser before the output, `suffix` after it. So a forced call goes through
+    the very parser, streaming included, that reads the calls a model makes of its own accord.
+
+    - "required": prefix `<tool_call>\\n`, schema anyOf over the tools of {"name": const, "arguments":
+      the tool's parameters} (name first, so a stream names the call before its arguments arrive);
+    - a named function X (as vLLM): prefix `<tool_call>\\n{"name": "X", "arguments": `, schema X's
+      parameters; the output is the arguments alone.
+    """
+
+    schema: dict[str, Any]
+    prefix: str
+    suffix: str
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+
+
+def forced_tool_call(req: ChatCompletionRequest) -> Optional[ForcedToolCall]:
+    """The framing of a request with tool_choice "required" or a named function; None for others.
+    Raises a 400 when there is no such tool, or another constraint is asked for too."""
+    if not req.forces_tool_call:
+        return None
+    choice = req.tool_choice
+    what = "'required'" if choice == "required" else f"naming function {choice.function.name!r}"
+    if not req.tools:
+        raise bad_request(f"tool_choice {what} needs tools", "tool_choice")
+    if req.guided_options():
+        raise bad_request(f"tool_choice {what} excludes response_format json and guided_json", "tool_choice")
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
+                  "required": ["name", "arguments"]} for t in req.tools]
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        return ForcedToolCall(schema, f"{TOOL_OPEN}\n", f"\n{TOOL_CLOSE}")
+    tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
+    if tool is None:
+        names = ", ".join(repr(t.function.name) for t in req.tools)
+        raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools ({names})",
+                          "tool_choice")
+    prefix = f'{TOOL_OPEN}\n{{"name": {json.dumps(tool.function.name)}, "arguments": '
+    return ForcedToolCall(_parameters(tool), prefix, f"}}\n{TOOL_CLOSE}")
+
+
+_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # xgrammar's "[04:38:56] /path/file.cc:5088: "
+
+
+async def check_grammar(tokenizer, params: SamplingParams, param: Optional[str]) -> None:
+    """Compile the request's grammar (off the event loop; the compiler caches it for the engine): a 400
+    naming the problem when the schema cannot be used."""
+    if not params.guided:
+        return
+    if tokenizer is None:
+        raise bad_request("structured output needs a model folder with a tokenizer", param)
+    from ..layers.grammar import Grammar
+
+    try:
+        await asyncio.to_thread(Grammar, params, tokenizer, [])
+    except ValueError as e:
+        message = _LOG_PREFIX.sub("", str(e).removeprefix("invalid sampling parameter: guided_json: ")).strip()
+        raise bad_request(f"unusable JSON schema: {message}", param) from None
+
+
+def guided_param(req) -> Optional[str]:
+    """The request field a grammar error is about."""
+    if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
+        return "tools"
+    if req.guided_json is not None:
+        return "guided_json"
+    if req.response_format is not None and req.response_format.type == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format"
