@@ -9,6 +9,8 @@ import torch
 from specserve.models.checkpoint import save_checkpoint
 from specserve.speculative.eagle3 import Eagle3Config
 
+from .conftest import make_hf_checkpoint
+
 
 def make_eagle3_checkpoint(path: str, target: str, seed: int = 0, draft_vocab: int | None = None,
                            fmt: str = "safetensors", scale: float = 0.3) -> str:
@@ -47,3 +49,9 @@ def make_eagle3_checkpoint(path: str, target: str, seed: int = 0, draft_vocab: i
                           max_position_embeddings=cfg.get("max_position_embeddings", 512), target_hidden_size=h,
                           draft_vocab_size=dv, aux_layer_ids=None)
     return save_checkpoint(path, config.to_dict(), tensors, fmt=fmt)
+
+
+def make_pair(root, vocab: int) -> tuple[str, str]:
+    """A tiny random Llama target (4 layers, seed 3) and an EAGLE-3 draft for it (seed 1), under root."""
+    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=vocab, layers=4)
+    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)

@@ -18,8 +18,8 @@ from specserve.speculative.batch_verify import process_drafts, verify_batch_para
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import verify
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
-from .eagle_utils import make_eagle3_checkpoint
+from .conftest import assert_pool_full, make_llm, mixed_prompts
+from .eagle_utils import make_pair
 
 EOS = 1
 
@@ -206,9 +206,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("penalties")
-    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=VOCAB, layers=4)
-    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+    return make_pair(tmp_path_factory.mktemp("penalties"), VOCAB)
 
 
 @pytest.fixture(scope="module")

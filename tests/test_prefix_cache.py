@@ -10,8 +10,8 @@ import torch
 
 from specserve import ConfigError, SamplingParams
 
-from .conftest import DEVICE, assert_pool_full, make_hf_checkpoint, make_llm
-from .eagle_utils import make_eagle3_checkpoint
+from .conftest import DEVICE, assert_pool_full, make_llm
+from .eagle_utils import make_pair
 
 VOCAB = 64
 NEW = 12
@@ -19,9 +19,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefix")
-    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=VOCAB, layers=4)
-    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+    return make_pair(tmp_path_factory.mktemp("prefix"), VOCAB)
 
 
 def workload(sessions: int = 4, turns: int = 3, seed: int = 0):

@@ -15,8 +15,8 @@ from specserve.speculative.batch_verify import node_depths, verify_batch_params
 from specserve.speculative.tree import DraftTree
 from specserve.speculative.verify import verify
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
-from .eagle_utils import make_eagle3_checkpoint
+from .conftest import assert_pool_full, make_llm, mixed_prompts
+from .eagle_utils import make_pair
 from .stats import chi_square_pvalue, reference_distribution
 
 M64 = (1 << 64) - 1
@@ -238,9 +238,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("seeds")
-    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=SPEC_VOCAB, layers=4)
-    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+    return make_pair(tmp_path_factory.mktemp("seeds"), SPEC_VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 from specserve import SamplingParams
 
 from .conftest import DEVICE, assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
-from .eagle_utils import make_eagle3_checkpoint
+from .eagle_utils import make_eagle3_checkpoint, make_pair
 
 VOCAB = 64
 NEW = 48
@@ -14,10 +14,7 @@ NEW = 48
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec")
-    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=VOCAB, layers=4)
-    draft = make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
-    return target, draft
+    return make_pair(tmp_path_factory.mktemp("spec"), VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ import torch
 
 from specserve import SamplingParams
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm
-from .eagle_utils import make_eagle3_checkpoint
+from .conftest import assert_pool_full, make_llm
+from .eagle_utils import make_pair
 from .stats import chi_square_pvalue, reference_distribution
 
 VOCAB = 64
@@ -20,9 +20,7 @@ PARAMS = dict(temperature=0.8, top_p=0.95)
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("specsample")
-    target = make_hf_checkpoint(str(root / "target"), "llama", seed=3, vocab=VOCAB, layers=4)
-    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+    return make_pair(tmp_path_factory.mktemp("specsample"), VOCAB)
 
 
 def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
