@@ -145,9 +145,22 @@ class ResponseFormat(_Strict):
         return self
 
 
-GuidedJson = Annotated[Union[dict[str, Any], str], Field(description="vLLM's: the JSON schema the output must "
-                                                                     "match, or its JSON text (one the grammar "
-                                                                     "compiler cannot use gets 400)")]
+NO_JSON_FORMAT = {"properties": {"response_format": {"anyOf": [{"type": "null"},
+                                                              {"properties": {"type": {"const": "text"}}}]}}}
+# guided_json excludes a JSON response_format, in the schema's words
+GUIDED_JSON_ALONE = {"if": {"required": ["guided_json"], "properties": {"guided_json": {"not": {"type": "null"}}}},
+                     "then": NO_JSON_FORMAT}
+# tool_choice "required" or a named function needs tools, and excludes the other constraints
+FORCED_CALL_NEEDS_TOOLS = {
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                                 {"type": "object"}]}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1},
+                                                   "guided_json": {"type": "null"}, **NO_JSON_FORMAT["properties"]}},
+}
+JsonObjectText = Annotated[str, Field(pattern=r"^\s*\{[\s\S]*\}\s*$")]
+GuidedJson = Annotated[Union[dict[str, Any], JsonObjectText],
+                      Field(description="vLLM's: the JSON schema the output must match, or its JSON text (one the "
+                                        "grammar compiler cannot use gets 400)")]
 
 
 def _schema_text(v):
@@ -166,7 +179,7 @@ def _schema_text(v):
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(json_schema_extra=STREAM_OPTIONS_NEED_STREAM)
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, GUIDED_JSON_ALONE]})
 
     model: Optional[str] = None
     stream: bool = False
@@ -338,14 +351,17 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, GUIDED_JSON_ALONE,
+                                                           FORCED_CALL_NEEDS_TOOLS]})
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: bool = False
     top_logprobs: Optional[NumLogprobs] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[Union[Literal["auto", "none", "required"], NamedToolChoice]] = Field(
-        None, description="'required' or a named function: the output is constrained to a call (of one of the "
-                          "tools, or of that function) and comes back as tool_calls")
+        None, description="'required' or a named function (one of tools): the output is constrained to a call "
+                          "(of one of the tools, or of that function) and comes back as tool_calls")
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     functions: None = None
