@@ -169,7 +169,7 @@ def test_a_named_function_is_called(client, name):
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
      "response_format.json_schema.schema", "nope"),
     ("/v1/completions", {"guided_json": {"type": "nonsense"}}, "guided_json", "nonsense"),
-    ("/v1/completions", {"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ("/v1/completions", {"guided_json": "{not json}"}, "guided_json", "not valid JSON"),
     ("/v1/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, None,
      "exclude each other"),
