@@ -66,7 +66,7 @@ def test_train_then_speculate(setup):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=out,
-                   speculative_num_steps=3, speculative_eagle_topk=1)
+                   speculative_num_steps=3, speculative_eagle_topk=1, speculative_policy="always")
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.stats.spec.mean_acceptance_length > 1.5
 
