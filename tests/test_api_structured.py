@@ -19,7 +19,7 @@ from specserve.assets import default_model_path
 
 from .conftest import make_llm
 from .test_grammar import random_schema
-from .test_server import MODEL, ServerProcess, chat_prompt_ids, metric
+from .test_server import MODEL, chat_prompt_ids, metric, serving
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -46,15 +46,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, and what is 2 
 def server(tmp_path_factory):
     """The shipped default model and its EAGLE-3 drafter, speculating on every step (fp32 on CPU, so
     that it can equal the engine without speculation token for token)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--dtype", "float32",
-                        "--speculative-policy", "always")
-    try:
-        srv.wait_ready(timeout=300)
-        yield srv
-    finally:
-        if srv.proc.poll() is None:
-            rc = srv.stop()
-            assert rc == 0, f"server exited {rc}:\n{srv.output()}"
+    yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--dtype", "float32",
+                       "--speculative-policy", "always", timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -98,6 +98,18 @@ class ServerProcess:
             return f.read()
 
 
+def serving(log_path, *args: str, timeout: float = 120, **kw):
+    """For a module fixture (`yield from`): a ready ServerProcess, stopped afterwards, which must exit 0."""
+    srv = ServerProcess(log_path, *args, **kw)
+    try:
+        srv.wait_ready(timeout)
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            rc = srv.stop()
+            assert rc == 0, f"server exited {rc}:\n{srv.output()}"
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     """A tiny random Llama with a BPE tokenizer and a ChatML template (max_model_len 1024)."""
@@ -108,15 +120,8 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model):
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--model", model,
-                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", api_key=API_KEY)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        if srv.proc.poll() is None:
-            rc = srv.stop()
-            assert rc == 0, f"server exited {rc}:\n{srv.output()}"
+    yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model,
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
