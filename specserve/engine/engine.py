@@ -111,9 +111,15 @@ class LLMEngine:
             self.runner.capture_graphs(self.aux_layers, sorted({s.num_nodes for s in shapes}))
             if self.spec is not None and self.runner.graphs is not None:
                 self.spec.capture_graphs(config.execution.cuda_graph_max_bs)
+            self._init_state(config, spec_stats)
+            if self.spec is not None:
+                self.spec.calibrate(self)  # needs the engine whole: it runs steps
         except BaseException:
             self.runner.close()
             raise
+
+    def _init_state(self, config: EngineConfig, spec_stats: SpecStats) -> None:
+        """The scheduler, the overlap pipeline's buffers, the request table and the counters."""
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.shape: Shape = PLAIN
         self.overlap = not config.execution.disable_overlap_schedule
@@ -126,12 +132,6 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
-        if self.spec is not None:
-            try:
-                self.spec.calibrate(self)
-            except BaseException:
-                self.runner.close()
-                raise
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
