@@ -22,9 +22,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from specserve.assets import make_tiny_checkpoint  # noqa: E402
-from specserve.bench import compare  # noqa: E402
-from specserve.bench.client import Endpoint, acceptance_length, parse_spec_counters, send_request  # noqa: E402
+from specserve.bench import compare, runner  # noqa: E402
+from specserve.bench.client import BenchError, Endpoint, acceptance_length, parse_spec_counters, send_request  # noqa: E402
 from specserve.bench.datasets import builtin, load_dataset  # noqa: E402
+from specserve.bench.options import SweepOptions, add_sweep_args, sweep_options  # noqa: E402
 from specserve.bench.server_process import ServerProcess  # noqa: E402
 from specserve.cli import main  # noqa: E402
 
@@ -146,6 +147,22 @@ def test_a_server_that_dies_mid_run_gives_failures(tmp_path, model):
     assert level["mean_accept_length"] is None  # /metrics is gone after the level
 
 
+def test_bench_auto_levels_and_rounds(tmp_path, server):
+    """--requests-per-level auto sends max(8, 2C) requests at level C; --rounds 3 runs the sweep three times
+    and keeps each level's median round, whole, with every round's summary."""
+    result = bench(tmp_path, server.url, "--concurrency", "1,6", "--requests-per-level", "auto", "--rounds", "3",
+                   "--max-tokens", "3", "--warmup", "0", "--ignore-eos")
+    assert result["options"]["requests_per_level"] == "auto" and result["options"]["rounds"] == 3
+    for level, expected in zip(result["levels"], (8, 12)):
+        assert (level["completed"], level["failed"]) == (expected, 0), level["errors"]
+        check_totals(level)  # the kept round's records are that round's
+        assert [r["completed"] for r in level["rounds"]] == [expected] * 3
+        throughputs = [r["output_throughput"] for r in level["rounds"]]
+        assert level["output_throughput"] == sorted(throughputs)[1] == throughputs[level["round"]]
+    spec = result["server_spec"]  # /server_info's speculation part: none on this server
+    assert spec["num_drafts"] == 0 and spec["controller"] is None
+
+
 # ---- compare ----------------------------------------------------------------------------------------
 def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, model, monkeypatch, capsys):
     """Plain, speculative (a random EAGLE-3 draft: acceptance is measured, not good) and one whose server
@@ -176,6 +193,10 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
         assert [lv["total_output_tokens"] for lv in c["result"]["levels"]] == [18, 18]
     assert all(lv["mean_accept_length"] is None for lv in plain["result"]["levels"])
     assert all(1 <= lv["mean_accept_length"] <= 3 for lv in spec["result"]["levels"])
+    assert [lv["spec_drafts"] for lv in plain["result"]["levels"]] == [0, 0]
+    for lv in spec["result"]["levels"]:  # policy always: a verify each step of each request after its first token
+        assert 3 <= lv["spec_drafts"] <= 3 * 5 and lv["mean_accept_length"] == pytest.approx(
+            1 + lv["spec_accepted"] / lv["spec_drafts"])
     pids = [c["pid"] for c in result["configurations"]]
     assert len(set(pids)) == 3
     for pid in pids:  # each server led its own process group: neither it nor any member is left
@@ -193,6 +214,115 @@ def test_compare_runs_each_configuration_and_leaves_nothing_behind(tmp_path, mod
             assert f"{lv['total_token_throughput']:.1f}" in printed.err
     [kept] = os.listdir(temp)  # the bad server failed: its log is kept and the folder named
     assert os.path.isfile(temp / kept / "bad.log") and f"logs are kept in {temp / kept}\n" in printed.err
+
+
+def test_compare_side_by_side_rounds(tmp_path, model, capsys):
+    """--rounds 2: both servers up at once, every level run on each in both rounds; a server that cannot start
+    is reported and the others still run; the ratio is the median of the rounds' ratios; nothing is left."""
+    out, logs = tmp_path / "compare.json", tmp_path / "logs"
+    rc = main(["compare", "--config", f"a={KV}", "--config", "bad=--no-such-flag",
+               "--config", f"b={KV} --max-num-seqs 4", "--model", model, "--concurrency", "1,5",
+               "--requests-per-level", "auto", "--rounds", "2", "--max-tokens", "3", "--warmup", "1",
+               "--ignore-eos", "--out", str(out), "--log-dir", str(logs)])
+    assert rc == 0
+    printed = capsys.readouterr()
+    result = json.loads(out.read_text())
+    a, bad, b = result["configurations"]
+    assert (a["status"], bad["status"], b["status"]) == ("ok", "failed", "ok")
+    assert "--no-such-flag" in bad["error"]
+    for c in (a, b):
+        assert [lv["completed"] for lv in c["result"]["levels"]] == [8, 10]
+        assert all([r["completed"] for r in lv["rounds"]] == [lv["completed"]] * 2 for lv in c["result"]["levels"])
+    for level_a, level_b in zip(a["result"]["levels"], b["result"]["levels"]):
+        ratio = compare.level_ratio(level_b, level_a)
+        per_round = [y["output_throughput"] / x["output_throughput"] for x, y in zip(level_a["rounds"],
+                                                                                     level_b["rounds"])]
+        assert ratio == pytest.approx(sum(per_round) / 2)  # the median of two
+        assert f"{ratio:.2f}" in printed.out
+    for c in result["configurations"]:  # no server process left
+        with pytest.raises(ProcessLookupError):
+            os.killpg(c["pid"], 0)
+    requests_a = (logs / "a.log").read_text().count("POST /v1/completions")
+    requests_b = (logs / "b.log").read_text().count("POST /v1/completions")
+    assert requests_a == requests_b == 1 + 2 * (8 + 10)  # the warm-up, then two rounds of both levels
+
+
+def test_interleaved_runs_each_level_on_each_server_in_turn(monkeypatch):
+    """Rounds alternate the servers' order; each level keeps its median round; a server whose set-up fails
+    gets its BenchError and no level."""
+    calls = []
+    speeds = {"a": [30.0, 10.0, 20.0], "b": [5.0, 50.0, 40.0]}  # output tok/s of each round, any level
+
+    async def model(client, url, api_key):
+        if url == "http://broken":
+            raise BenchError("unreachable")
+        return "m"
+
+    async def warm_up(*args):
+        return 0
+
+    async def spec(url, api_key):
+        return {"url": url}
+
+    async def level(client, endpoint, prompts, concurrency, options, rng, progress, title):
+        name = endpoint.base_url.removeprefix("http://")
+        calls.append((name, concurrency, len(prompts)))
+        rnd = sum(1 for n, c, _ in calls if (n, c) == (name, concurrency)) - 1
+        return {"concurrency": concurrency, "output_throughput": speeds[name][rnd] * concurrency, "completed": 1,
+                **{key: 0 for key in runner.ROUND_KEYS if key not in ("output_throughput", "completed")}}
+
+    for name, fake in (("served_model", model), ("_warm_up", warm_up), ("server_spec", spec), ("_run_level", level)):
+        monkeypatch.setattr(runner, name, fake)
+    options = SweepOptions(concurrency=(1, 16), requests_per_level="auto", rounds=3, dataset="builtin")
+    results = asyncio.run(runner.run_interleaved([("a", "http://a"), ("x", "http://broken"), ("b", "http://b")],
+                                                 options))
+    a, broken, b = results
+    assert isinstance(broken, BenchError)
+    assert calls == [("a", 1, 8), ("b", 1, 8), ("a", 16, 32), ("b", 16, 32),
+                     ("b", 1, 8), ("a", 1, 8), ("b", 16, 32), ("a", 16, 32),
+                     ("a", 1, 8), ("b", 1, 8), ("a", 16, 32), ("b", 16, 32)]
+    for result, median_round, speed in ((a, 2, 20.0), (b, 2, 40.0)):
+        assert [lv["round"] for lv in result["levels"]] == [median_round, median_round]
+        assert [lv["output_throughput"] for lv in result["levels"]] == [speed, 16 * speed]
+        assert [len(lv["rounds"]) for lv in result["levels"]] == [3, 3]
+    assert a["server_spec"] == {"url": "http://a"}
+
+
+def test_ratios_of_rounds_are_medians_of_the_rounds_ratios():
+    def ran(name, *levels):
+        return {"name": name, "result": {"levels": list(levels)}}
+
+    def level(c, value, rounds=None):
+        out = {"concurrency": c, "output_throughput": value}
+        if rounds:
+            out["rounds"] = [{"output_throughput": v} for v in rounds]
+        return out
+
+    base = ran("plain", level(1, 100.0, [100.0, 90.0, 200.0]), level(4, 200.0))
+    other = ran("spec", level(1, 150.0, [100.0, 150.0, 210.0]), level(4, 300.0))
+    header, rows = compare.throughput_rows({"configurations": [base, other]})
+    assert header == ["concurrency", "plain tok/s", "spec tok/s", "spec / plain"]
+    assert rows == [["1", "100.0", "150.0", "1.05"], ["4", "200.0", "300.0", "1.50"]]  # not 150 / 100
+
+
+def test_sweep_options_auto_and_rounds():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_sweep_args(parser)
+    options = sweep_options(parser.parse_args(["--requests-per-level", "auto", "--rounds", "3"]))
+    assert (options.requests_per_level, options.rounds) == ("auto", 3)
+    assert [options.requests_at(c) for c in (1, 4, 5, 16, 64)] == [8, 8, 10, 32, 128]
+    fixed = sweep_options(parser.parse_args(["--requests-per-level", "5"]))
+    assert [fixed.requests_at(c) for c in (1, 64)] == [5, 5] and fixed.rounds == 1
+    assert sweep_options(parser.parse_args([])) == SweepOptions()  # defaults unchanged: 30 a level, one round
+    for bad in (["--requests-per-level", "0"], ["--requests-per-level", "many"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    with pytest.raises(ValueError, match="requests_per_level"):
+        SweepOptions(requests_per_level="many")
+    with pytest.raises(ValueError, match="rounds"):
+        SweepOptions(rounds=0)
 
 
 def test_compare_removes_its_log_folder_when_every_server_ran(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """The benchmark's side of the OpenAI protocol: one streamed request timed chunk by chunk, the served model,
-and the speculation counters from a server's Prometheus /metrics.
+the speculation counters from a server's Prometheus /metrics, and the speculation part of its /server_info.
 
 Output tokens come from the final usage chunk (`stream_options.include_usage`); a server that sends none
 is counted one token per content chunk. A request fails on an HTTP error, a transport error (connection
@@ -177,6 +177,18 @@ async def spec_counters(base_url: str, api_key: Optional[str]) -> Optional[SpecC
     if response.status_code != 200:
         return None
     return parse_spec_counters(response.text)
+
+
+async def server_spec(base_url: str, api_key: Optional[str]) -> Optional[dict]:
+    """The "spec" part of a specserve server's /server_info (speculation counters and the adaptive
+    controller's explanation), or None from a server without one (or one that cannot be reached)."""
+    try:
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            response = await client.get(base_url.rstrip("/") + "/server_info", headers=auth_headers(api_key))
+        spec = response.json().get("spec") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return spec if isinstance(spec, dict) else None
 
 
 def parse_spec_counters(text: str) -> Optional[SpecCounters]:

@@ -4,6 +4,10 @@ Each configuration is a set of `specserve serve` flags. Its server starts on a f
 group, the sweep runs once /health is 200, and the server is stopped (SIGTERM, then SIGKILL of the group)
 however the sweep ends. A configuration whose server cannot start is reported and the others still run.
 The servers' logs go to a temporary folder, removed at the end unless a server failed.
+
+With `rounds` > 1 the configurations run side by side instead: every server is started up front (one after
+another, so that no start-up measurement shares the CPU with another), then each level runs on each server
+in turn, round after round (`runner.run_interleaved`), and the ratios are the median of the rounds' ratios.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ from ..assets import default_draft_path
 from .client import BenchError
 from .options import SweepOptions
 from .report import print_levels
-from .runner import run_sweep
+from .runner import run_interleaved, run_sweep
 from .server_process import ServerProcess, ServerStartError
 
 
@@ -96,32 +101,83 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run_configuration(config: Configuration, options: SweepOptions, model: Optional[str], log_dir: str,
-                      startup_timeout: float, console: Console) -> dict:
-    """Start the configuration's server, run the sweep, stop the server; the configuration's record:
-    name, flags, status (ok / skipped / failed), error, server pid and log, and the sweep's result."""
+def _new_record(config: Configuration, model: Optional[str], console: Console) -> dict:
+    """The configuration's record before its server starts (status skipped, with the reason, if it cannot)."""
     record = {"name": config.name, "flags": config.flags, "status": "skipped", "error": skip_reason(config, model),
               "pid": None, "log": None, "result": None}
     if record["error"]:
         console.print(Text(f"{config.name}: skipped: {record['error']}", style="yellow"))
-        return record
+    return record
+
+
+def _start_server(config: Configuration, record: dict, model: Optional[str], log_dir: str,
+                  console: Console) -> ServerProcess:
     args = (["--model", model] if model else []) + config.args
     log_path = os.path.join(log_dir, f"{_file_name(config.name)}.log")
     server = ServerProcess(args, log_path)
     record.update(pid=server.pid, log=log_path)
     console.print(f"{config.name}: started server pid {server.pid} on {server.url} (log: {log_path})",
                   soft_wrap=True)  # paths whole, not folded at the console's width
+    return server
+
+
+def _failed(record: dict, error: Exception, console: Console) -> None:
+    record.update(status="failed", error=str(error))
+    console.print(Text(f"{record['name']}: {error}", style="red"), soft_wrap=True)
+
+
+def run_configuration(config: Configuration, options: SweepOptions, model: Optional[str], log_dir: str,
+                      startup_timeout: float, console: Console) -> dict:
+    """Start the configuration's server, run the sweep, stop the server; the configuration's record:
+    name, flags, status (ok / skipped / failed), error, server pid and log, and the sweep's result."""
+    record = _new_record(config, model, console)
+    if record["error"]:
+        return record
+    server = _start_server(config, record, model, log_dir, console)
     try:
         server.wait_ready(startup_timeout)
         record["result"] = asyncio.run(run_sweep(server.url, options, console, title=config.name))
         record.update(status="ok", error=None)
     except (ServerStartError, BenchError) as e:
-        record.update(status="failed", error=str(e))
-        console.print(Text(f"{config.name}: {e}", style="red"), soft_wrap=True)
+        _failed(record, e, console)
     finally:
         server.stop()
         console.print(f"{config.name}: server pid {server.pid} stopped")
     return record
+
+
+def run_side_by_side(configs: list[Configuration], options: SweepOptions, model: Optional[str], log_dir: str,
+                     startup_timeout: float, console: Console) -> list[dict]:
+    """Start every configuration's server, one after another, each once the one before is ready; run the
+    sweep on all of them level by level (`run_interleaved`); stop them all however it ends. The records as
+    `run_configuration`'s."""
+    records = [_new_record(config, model, console) for config in configs]
+    servers: list[ServerProcess] = []
+    ready: list[tuple[dict, ServerProcess]] = []
+    try:
+        for config, record in zip(configs, records):
+            if record["error"]:
+                continue
+            server = _start_server(config, record, model, log_dir, console)
+            servers.append(server)
+            try:
+                server.wait_ready(startup_timeout)
+                ready.append((record, server))
+            except ServerStartError as e:
+                _failed(record, e, console)
+                server.stop()
+        if ready:
+            results = asyncio.run(run_interleaved([(r["name"], s.url) for r, s in ready], options, console))
+            for (record, _), result in zip(ready, results):
+                if isinstance(result, BenchError):
+                    _failed(record, result, console)
+                else:
+                    record.update(status="ok", error=None, result=result)
+    finally:
+        for server in servers:
+            server.stop()
+            console.print(f"server pid {server.pid} stopped")
+    return records
 
 
 def _file_name(name: str) -> str:
@@ -131,9 +187,10 @@ def _file_name(name: str) -> str:
 def run_compare(configs: list[Configuration], options: SweepOptions, model: Optional[str] = None,
                 log_dir: Optional[str] = None, startup_timeout: float = 300,
                 console: Optional[Console] = None) -> dict:
-    """Run every configuration in turn (SIGTERM and Ctrl-C stop the running server before they end this).
-    The result: {"options", "model", "configurations": [record per configuration]}. Without `log_dir` the
-    logs go to a temporary folder, removed at the end unless a server failed (its path is printed then)."""
+    """Run every configuration in turn, or with `options.rounds` > 1 side by side (SIGTERM and Ctrl-C stop the
+    running servers before they end this). The result: {"options", "model", "configurations": [record per
+    configuration]}. Without `log_dir` the logs go to a temporary folder, removed at the end unless a server
+    failed (its path is printed then)."""
     console = console or Console(stderr=True)
     temporary = log_dir is None
     log_dir = log_dir or tempfile.mkdtemp(prefix="specserve-compare-")
@@ -141,10 +198,17 @@ def run_compare(configs: list[Configuration], options: SweepOptions, model: Opti
     records = []
     try:
         with sigterm_as_interrupt():
-            for config in configs:
-                records.append(run_configuration(config, options, model, log_dir, startup_timeout, console))
-                if records[-1]["result"]:
-                    print_levels(records[-1]["result"]["levels"], title=config.name, console=console)
+            if options.rounds > 1:
+                records += run_side_by_side(configs, options, model, log_dir, startup_timeout, console)
+                for record in records:
+                    if record["result"]:
+                        print_levels(record["result"]["levels"], title=f"{record['name']} (median of "
+                                     f"{options.rounds} rounds)", console=console)
+            else:
+                for config in configs:
+                    records.append(run_configuration(config, options, model, log_dir, startup_timeout, console))
+                    if records[-1]["result"]:
+                        print_levels(records[-1]["result"]["levels"], title=config.name, console=console)
     finally:
         if temporary:
             _remove_logs_unless_failed(log_dir, records, console)
@@ -163,18 +227,33 @@ def _remove_logs_unless_failed(log_dir: str, records: list[dict], console: Conso
 # ---- the side-by-side view ----------------------------------------------------------------------------
 def throughput_rows(comparison: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows: output tokens/s per concurrency level for each configuration that ran, then the
-    ratio of each later configuration to the first."""
+    ratio of each later configuration to the first (levels run in rounds: the median of the rounds'
+    ratios, each round's pair measured side by side)."""
     ran = [c for c in comparison["configurations"] if c["result"]]
-    per_config = [{lv["concurrency"]: lv["output_throughput"] for lv in c["result"]["levels"]} for c in ran]
+    per_config = [{lv["concurrency"]: lv for lv in c["result"]["levels"]} for c in ran]
     levels = sorted({level for table in per_config for level in table})
     header = ["concurrency"] + [f"{c['name']} tok/s" for c in ran]
     header += [f"{c['name']} / {ran[0]['name']}" for c in ran[1:]]
     rows = []
     for level in levels:
-        values = [table.get(level) for table in per_config]
-        ratios = [_ratio(v, values[0]) for v in values[1:]]
+        found = [table.get(level) for table in per_config]
+        values = [lv["output_throughput"] if lv else None for lv in found]
+        ratios = [level_ratio(lv, found[0]) for lv in found[1:]]
         rows.append([str(level)] + [_fmt(v, 1) for v in values] + [_fmt(r, 2) for r in ratios])
     return header, rows
+
+
+def level_ratio(level: Optional[dict], base: Optional[dict]) -> Optional[float]:
+    """`level`'s output throughput over `base`'s: the median of the per-round ratios when both ran the same
+    number of rounds, else the ratio of their (median) throughputs."""
+    if level is None or base is None:
+        return None
+    rounds, base_rounds = level.get("rounds"), base.get("rounds")
+    if rounds and base_rounds and len(rounds) == len(base_rounds):
+        ratios = [_ratio(a["output_throughput"], b["output_throughput"]) for a, b in zip(rounds, base_rounds)]
+        ratios = [r for r in ratios if r is not None]
+        return statistics.median(ratios) if ratios else None
+    return _ratio(level["output_throughput"], base["output_throughput"])
 
 
 def _ratio(value: Optional[float], base: Optional[float]) -> Optional[float]:

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Optional
+from typing import Literal, Optional, Union
+
+AUTO = "auto"  # requests_per_level sized by concurrency: max(AUTO_MIN_REQUESTS, AUTO_PER_SLOT x C)
+AUTO_MIN_REQUESTS = 8
+AUTO_PER_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -17,7 +21,7 @@ class SweepOptions:
     endpoint: str = "completions"
     model: Optional[str] = None  # None: the first of /v1/models
     concurrency: tuple[int, ...] = (1, 2, 5, 10, 30, 70, 100, 250)
-    requests_per_level: int = 30
+    requests_per_level: Union[int, Literal["auto"]] = 30  # "auto": max(8, 2C) at concurrency C
     max_tokens: int = 200
     warmup: int = 5
     dataset: str = "builtin"
@@ -26,16 +30,28 @@ class SweepOptions:
     temperature: float = 0.0
     api_key: Optional[str] = None
     seed: int = 0
+    rounds: int = 1  # each level run this many times (interleaved across compare's servers); the median kept
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be completions or chat, got {self.endpoint!r}")
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        if self.requests_per_level < 1 or self.max_tokens < 1 or self.warmup < 0:
-            raise ValueError("requests_per_level and max_tokens must be >= 1, warmup >= 0")
+        if self.requests_per_level != AUTO and not (isinstance(self.requests_per_level, int)
+                                                     and self.requests_per_level >= 1):
+            raise ValueError(f"requests_per_level must be an integer >= 1 or {AUTO!r}, got {self.requests_per_level!r}")
+        if self.max_tokens < 1 or self.warmup < 0:
+            raise ValueError("max_tokens must be >= 1, warmup >= 0")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+
+    def requests_at(self, concurrency: int) -> int:
+        """How many requests the level of `concurrency` sends."""
+        if self.requests_per_level == AUTO:
+            return max(AUTO_MIN_REQUESTS, AUTO_PER_SLOT * concurrency)
+        return self.requests_per_level
 
     def record(self) -> dict:
         """The options as they go into the results JSON (the API key left out)."""
@@ -58,6 +74,29 @@ def concurrency_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+def requests_per_level(text: str) -> Union[int, Literal["auto"]]:
+    """'30' -> 30; 'auto' -> 'auto'."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or {AUTO!r}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> None:
     """The sweep's flags; `model_name=False` leaves `--model` to the caller (compare's server model, which
     must then use another dest than `model`)."""
@@ -68,7 +107,9 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
         g.add_argument("--model", help="model name sent in requests (default: the first of /v1/models)")
     g.add_argument("--concurrency", type=concurrency_levels,
                    help="levels of requests in flight (default: " + ",".join(map(str, d.concurrency)) + ")")
-    g.add_argument("--requests-per-level", type=int, help=f"(default: {d.requests_per_level})")
+    g.add_argument("--requests-per-level", type=requests_per_level, metavar="N|auto",
+                   help=f"requests sent at each level; auto: max({AUTO_MIN_REQUESTS}, {AUTO_PER_SLOT} x concurrency) "
+                        f"(default: {d.requests_per_level})")
     g.add_argument("--max-tokens", type=int, help=f"output tokens asked per request (default: {d.max_tokens})")
     g.add_argument("--warmup", type=int, help=f"unrecorded requests before the first level (default: {d.warmup})")
     g.add_argument("--dataset", help="builtin, random, sharegpt:FILE or jsonl:FILE (default: builtin)")
@@ -78,6 +119,10 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
     g.add_argument("--temperature", type=float, help=f"(default: {d.temperature}: greedy)")
     g.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
     g.add_argument("--seed", type=int, help=f"prompt order and arrival times (default: {d.seed})")
+    g.add_argument("--rounds", type=positive_int,
+                   help="run the whole sweep this many times and keep each level's median round; `compare` then "
+                        "starts every configuration's server up front and runs each level on each server in turn "
+                        f"(default: {d.rounds}: one sweep; compare runs the configurations one after another)")
 
 
 def sweep_options(args: argparse.Namespace, base: SweepOptions = DEFAULTS) -> SweepOptions:

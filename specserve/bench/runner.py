@@ -2,21 +2,34 @@
 (closed loop), optionally arriving as a Poisson process of `request_rate` per second (open loop, still
 capped at C), as `vllm bench serve --max-concurrency C --request-rate R` does.
 
-Every level sends the same prompts in the same order (a seeded shuffle of the dataset), so levels and
-configurations are comparable. Warm-up requests run once before the first level and are not recorded.
+Every level sends the same prompts in the same order (a seeded shuffle of the dataset; a level of N requests
+sends its first N), so levels and configurations are comparable. Warm-up requests run once before the first
+level and are not recorded. With `rounds` > 1 the sweep runs that many times and each level keeps its median
+round; `run_interleaved` does this against several servers at once, level by level, for `specserve compare`.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .client import BenchError, Endpoint, RequestResult, acceptance_length, send_request, served_model, spec_counters
+from .client import (
+    BenchError,
+    Endpoint,
+    RequestResult,
+    acceptance_length,
+    send_request,
+    served_model,
+    server_spec,
+    spec_counters,
+)
 from .datasets import Prompt, load_dataset
 from .options import SweepOptions
 from .report import summarize_level
@@ -65,21 +78,87 @@ def request_order(dataset: list[Prompt], count: int, seed: int) -> list[tuple[in
 async def run_sweep(base_url: str, options: SweepOptions, console: Optional[Console] = None,
                     title: str = "") -> dict:
     """Run every level against the server at `base_url`; the results as a JSON-able dict."""
+    [result] = await run_interleaved([(title, base_url)], options, console)
+    if isinstance(result, BenchError):
+        raise result
+    return result
+
+
+async def run_interleaved(servers: list[tuple[str, str]], options: SweepOptions,
+                          console: Optional[Console] = None) -> list[Union[dict, BenchError]]:
+    """The sweep against each of `servers` ((name, base URL) pairs), side by side: each server is warmed
+    up, then `options.rounds` rounds run; in a round each level runs on every server in turn before the
+    next level, the servers' order reversed every other round, so that the machine's drift hits each alike.
+    Per server its result (as `run_sweep`'s; with rounds > 1 each level is the round of median output
+    throughput, and lists every round's summary under "rounds"), or the BenchError that stopped it."""
     console = console or Console(stderr=True)
     dataset = load_dataset(options.dataset, options.seed)
-    async with _http_client(max(options.concurrency)) as client:
-        model = options.model or await served_model(client, base_url, options.api_key)
-        endpoint = Endpoint(base_url, options.endpoint, model, options.max_tokens, options.temperature,
-                            options.ignore_eos, options.api_key)
-        rng = random.Random(options.seed)
-        result = {"base_url": base_url, "model": model, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "options": options.record(), "num_dataset_prompts": len(dataset)}
-        result["warmup_failed"] = await _warm_up(client, endpoint, dataset, options, rng)
-        prompts = request_order(dataset, options.requests_per_level, options.seed)
+    async with contextlib.AsyncExitStack() as stack:
+        runs = []
+        for name, url in servers:
+            client = await stack.enter_async_context(_http_client(max(options.concurrency)))
+            runs.append(await _start_run(name, url, client, dataset, options))
+        live = [run for run in runs if run.error is None]
         with _progress(console) as progress:
-            result["levels"] = [await _run_level(client, endpoint, prompts, c, options, rng, progress, title)
-                                for c in options.concurrency]
-    return result
+            for r in range(options.rounds):
+                for c in options.concurrency:
+                    prompts = request_order(dataset, options.requests_at(c), options.seed)
+                    for run in (live if r % 2 == 0 else live[::-1]):
+                        title = run.name + (f" round {r + 1}" if options.rounds > 1 else "")
+                        level = await _run_level(run.client, run.endpoint, prompts, c, options, run.rng, progress,
+                                                 title)
+                        run.levels.setdefault(c, []).append(level)
+        for run in live:
+            run.result["levels"] = [median_level(run.levels[c]) for c in options.concurrency]
+            run.result["server_spec"] = await server_spec(run.endpoint.base_url, options.api_key)
+    return [run.error or run.result for run in runs]
+
+
+@dataclass
+class _Run:
+    """One server's side of `run_interleaved`."""
+
+    name: str
+    client: httpx.AsyncClient
+    rng: random.Random  # Poisson arrivals: the same sequence on every server
+    endpoint: Optional[Endpoint] = None
+    result: dict = field(default_factory=dict)
+    error: Optional[BenchError] = None
+    levels: dict[int, list[dict]] = field(default_factory=dict)  # concurrency -> the level of each round
+
+
+async def _start_run(name: str, base_url: str, client: httpx.AsyncClient, dataset: list[Prompt],
+                     options: SweepOptions) -> _Run:
+    """The served model, the result's header and the warm-up; a BenchError is kept in the run."""
+    run = _Run(name, client, random.Random(options.seed))
+    try:
+        model = options.model or await served_model(client, base_url, options.api_key)
+        run.endpoint = Endpoint(base_url, options.endpoint, model, options.max_tokens, options.temperature,
+                                options.ignore_eos, options.api_key)
+        run.result = {"base_url": base_url, "model": model, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      "options": options.record(), "num_dataset_prompts": len(dataset)}
+        run.result["warmup_failed"] = await _warm_up(client, run.endpoint, dataset, options, run.rng)
+    except BenchError as e:
+        run.error = e
+    return run
+
+
+ROUND_KEYS = ("output_throughput", "total_token_throughput", "request_throughput", "duration", "completed",
+              "failed", "mean_ttft_ms", "mean_tpot_ms", "mean_accept_length", "spec_drafts", "spec_accepted")
+
+
+def median_level(rounds: list[dict]) -> dict:
+    """A level run once is kept as it is; run in several rounds, the round of median output throughput (the
+    lower middle one of an even count: a measured level, its requests included), with "round" (its index)
+    and "rounds" (every round's summary, in the order they ran) added."""
+    if len(rounds) == 1:
+        return rounds[0]
+    ranked = sorted(range(len(rounds)), key=lambda i: rounds[i]["output_throughput"])
+    chosen = ranked[(len(rounds) - 1) // 2]
+    level = dict(rounds[chosen])
+    level["round"] = chosen
+    level["rounds"] = [{key: lv[key] for key in ROUND_KEYS} for lv in rounds]
+    return level
 
 
 async def _warm_up(client: httpx.AsyncClient, endpoint: Endpoint, dataset: list[Prompt], options: SweepOptions,
@@ -110,7 +189,11 @@ async def _run_level(client: httpx.AsyncClient, endpoint: Endpoint, prompts: lis
     results, duration = await run_requests(client, endpoint, prompts, concurrency, options.request_rate, rng,
                                            on_done)
     after = await spec_counters(endpoint.base_url, options.api_key)
-    return summarize_level(results, duration, concurrency, options.request_rate, acceptance_length(before, after))
+    level = summarize_level(results, duration, concurrency, options.request_rate, acceptance_length(before, after))
+    # verifies (one per request per speculative step) and accepted drafts in the level: how much it speculated
+    level["spec_drafts"], level["spec_accepted"] = ((after[0] - before[0], after[1] - before[1])
+                                                    if before is not None and after is not None else (None, None))
+    return level
 
 
 def _progress(console: Console) -> Progress:
