@@ -288,6 +288,21 @@ def test_interleaved_runs_each_level_on_each_server_in_turn(monkeypatch):
     assert a["server_spec"] == {"url": "http://a"}
 
 
+def test_fresh_prompts_do_not_repeat_until_the_dataset_runs_out():
+    from dataclasses import replace
+
+    dataset = load_dataset("random")  # 200 prompts
+    options = SweepOptions(concurrency=(1, 16), requests_per_level="auto", rounds=3, fresh_prompts=True)
+    levels = runner.level_prompts(dataset, options)
+    assert [len(lv) for lv in levels] == [8, 32] * 3
+    indices = [i for lv in levels for i, _ in lv]
+    assert len(set(indices)) == len(indices) == 120 and all(dataset[i] is p for lv in levels for i, p in lv)
+    wrapped = [i for lv in runner.level_prompts(dataset[:50], options) for i, _ in lv]
+    assert len(set(wrapped[:50])) == 50 and wrapped[50:100] == wrapped[:50]  # the same shuffle again
+    every = runner.level_prompts(dataset, replace(options, fresh_prompts=False))  # the default
+    assert all(lv == every[1][:len(lv)] for lv in every)  # every level: the first N of one shuffle
+
+
 def test_ratios_of_rounds_are_medians_of_the_rounds_ratios():
     def ran(name, *levels):
         return {"name": name, "result": {"levels": list(levels)}}
@@ -316,6 +331,7 @@ def test_sweep_options_auto_and_rounds():
     fixed = sweep_options(parser.parse_args(["--requests-per-level", "5"]))
     assert [fixed.requests_at(c) for c in (1, 64)] == [5, 5] and fixed.rounds == 1
     assert sweep_options(parser.parse_args([])) == SweepOptions()  # defaults unchanged: 30 a level, one round
+    assert sweep_options(parser.parse_args(["--fresh-prompts"])).fresh_prompts and not SweepOptions().fresh_prompts
     for bad in (["--requests-per-level", "0"], ["--requests-per-level", "many"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

@@ -31,6 +31,7 @@ class SweepOptions:
     api_key: Optional[str] = None
     seed: int = 0
     rounds: int = 1  # each level run this many times (interleaved across compare's servers); the median kept
+    fresh_prompts: bool = False  # each level (and round) sends the next prompts of the shuffle, not the first N
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -119,6 +120,9 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
     g.add_argument("--temperature", type=float, help=f"(default: {d.temperature}: greedy)")
     g.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
     g.add_argument("--seed", type=int, help=f"prompt order and arrival times (default: {d.seed})")
+    g.add_argument("--fresh-prompts", action="store_true", default=None,
+                   help="each level (and round) sends the dataset's next prompts, none repeated until the dataset "
+                        "runs out (no prefix-cache hits on repeated prompts); default: every level sends the first N")
     g.add_argument("--rounds", type=positive_int,
                    help="run the whole sweep this many times and keep each level's median round; `compare` then "
                         "starts every configuration's server up front and runs each level on each server in turn "

@@ -3,7 +3,9 @@
 capped at C), as `vllm bench serve --max-concurrency C --request-rate R` does.
 
 Every level sends the same prompts in the same order (a seeded shuffle of the dataset; a level of N requests
-sends its first N), so levels and configurations are comparable. Warm-up requests run once before the first
+sends its first N), so levels and configurations are comparable; with `fresh_prompts` each level sends the
+next N instead (configurations still get the same prompts at the same level), so that a server's prefix
+cache does not serve repeated prompts. Warm-up requests run once before the first
 level and are not recorded. With `rounds` > 1 the sweep runs that many times and each level keeps its median
 round; `run_interleaved` does this against several servers at once, level by level, for `specserve compare`.
 """
@@ -99,10 +101,11 @@ async def run_interleaved(servers: list[tuple[str, str]], options: SweepOptions,
             client = await stack.enter_async_context(_http_client(max(options.concurrency)))
             runs.append(await _start_run(name, url, client, dataset, options))
         live = [run for run in runs if run.error is None]
+        schedule = iter(level_prompts(dataset, options))
         with _progress(console) as progress:
             for r in range(options.rounds):
                 for c in options.concurrency:
-                    prompts = request_order(dataset, options.requests_at(c), options.seed)
+                    prompts = next(schedule)
                     for run in (live if r % 2 == 0 else live[::-1]):
                         title = run.name + (f" round {r + 1}" if options.rounds > 1 else "")
                         level = await _run_level(run.client, run.endpoint, prompts, c, options, run.rng, progress,
@@ -112,6 +115,18 @@ async def run_interleaved(servers: list[tuple[str, str]], options: SweepOptions,
             run.result["levels"] = [median_level(run.levels[c]) for c in options.concurrency]
             run.result["server_spec"] = await server_spec(run.endpoint.base_url, options.api_key)
     return [run.error or run.result for run in runs]
+
+
+def level_prompts(dataset: list[Prompt], options: SweepOptions) -> list[list[tuple[int, Prompt]]]:
+    """Each level's prompts, in the order the levels run (round by round): the first N of the dataset's seeded
+    shuffle, or with `fresh_prompts` the next N of it, so that no prompt repeats (and no level gains from a
+    server's prefix cache) until the dataset runs out; then it starts over."""
+    counts = [options.requests_at(c) for _ in range(options.rounds) for c in options.concurrency]
+    if not options.fresh_prompts:
+        return [request_order(dataset, n, options.seed) for n in counts]
+    stream = request_order(dataset, sum(counts), options.seed)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return [stream[start:start + n] for start, n in zip(starts, counts)]
 
 
 @dataclass
