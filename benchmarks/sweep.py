@@ -9,8 +9,9 @@ target was not trained on (its corpus.json lists them; the shipped pair's natura
 `default_pair.py`); `builtin`, eight short code headers, which end at a newline, a token boundary the
 pair's tokenizer rarely makes there, so drafts accept less.
 
-`--configs` picks among plain, chain, tree, threshold, adaptive and, to see what the overlap scheduler
-buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
+`--configs` picks among plain, chain, tree, threshold, adaptive, k0 (speculation on but never drafting:
+what a plain step of a speculative engine costs) and, to see what the overlap scheduler buys, plain-sync
+and adaptive-sync (the same with `disable_overlap_schedule`).
 
 For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
 have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
@@ -48,6 +49,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
         "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
                           speculative_disable_batch_threshold=threshold),
         "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
+        "k0": dict(spec, speculative_num_steps=3, speculative_policy="threshold",  # never drafts
+                   speculative_disable_batch_threshold=0),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
         "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
                               disable_overlap_schedule=True),

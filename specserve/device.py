@@ -15,3 +15,24 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+class RowGather:
+    """Rows of several tensors copied into one, with one indexed copy per source tensor."""
+
+    def __init__(self):
+        self._groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+
+    def add(self, source: torch.Tensor, rows, dst) -> None:
+        """source[rows] (a range or list of row indices) goes to out[dst] (as many row indices)."""
+        _, src, to = self._groups.setdefault(id(source), (source, [], []))
+        src.extend(rows)
+        to.extend(dst)
+
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """Copy every added row into out; returns out. Every source row is read before out is written."""
+        reads = [(to_device(to, torch.long, out.device), source[to_device(src, torch.long, source.device)])
+                 for source, src, to in self._groups.values()]
+        for to, rows in reads:
+            out[to] = rows
+        return out

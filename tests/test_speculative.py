@@ -206,3 +206,41 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     off = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                    speculative_calibration_s=0)
     assert off.engine.spec.calibration is None
+
+
+@pytest.mark.skipif(DEVICE["name"] != "cuda", reason="plain-decode CUDA graphs need CUDA")
+@pytest.mark.parametrize("prefix", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_outputs, prefix):
+    """Plain-decode graphs store the draft's pairs on the device (eagle3_follow.py); eager steps keep the
+    target's features and catch the draft up when it drafts. Alternating plain phases of several lengths
+    with chain steps, both must propose the same trees (they depend on every stored pair) and decode
+    what plain decoding does; a second pass starts on blocks the first one cached."""
+    from specserve.speculative.controller import PLAIN
+
+    target, draft = pair
+    prompts, want = plain_outputs
+    trees = {}
+    for engine in ("default", "eager"):
+        llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                       speculative_num_steps=3, speculative_policy="always", enable_prefix_caching=prefix,
+                       **ENGINES[engine])
+        spec, seen, steps = llm.engine.spec, [], [0]
+        chain = next(s for s in spec.shapes if s.steps == 3)
+
+        def choose(batch_size, steps=steps, chain=chain):
+            steps[0] += 1
+            return chain if steps[0] % 11 in (0, 4, 5) else PLAIN  # plain runs of 1, 3 and 5 steps
+
+        spec.choose = choose
+        propose = spec.proposer.propose
+        spec.proposer.propose = lambda seqs, shape, seen=seen, propose=propose: _record_trees(
+            seen, seqs, propose(seqs, shape))
+        for _ in range(2):
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+            assert [o.token_ids for o in outs] == want
+        trees[engine] = seen
+        assert_pool_full(llm)
+        if engine == "default":
+            assert llm.engine.runner.graphs.follow is not None
+    assert len(trees["default"]) > 10
+    assert trees["default"] == trees["eager"]

@@ -129,3 +129,47 @@ def test_rope_and_cache_write(dtype):
     untouched = torch.ones(64, dtype=torch.bool, device=dev)
     untouched[slots] = False
     assert cache[:, untouched].isnan().all(), "wrote outside the given slots"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embed_norm_pair_is_two_norms_side_by_side(dtype):
+    """EAGLE-3's layer input in one launch: what the embedding, two RMSNorms and a cat compute, bit for bit."""
+    from specserve.layers import triton_ops
+    from specserve.layers.norm import RMSNorm
+
+    torch.manual_seed(0)
+    dev, hidden = torch.device("cuda"), 192
+    table = torch.randn(100, hidden, dtype=dtype, device=dev)
+    h = torch.randn(7, hidden, dtype=dtype, device=dev) * 3
+    ids = torch.tensor([5, 0, 99, 5, 17, 3, 64], device=dev)
+    norms = [RMSNorm(hidden, 1e-5).to(dev, dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = 1 + torch.randn(hidden, dtype=dtype, device=dev) * 0.1
+    with torch.inference_mode():
+        out = triton_ops.embed_norm_pair(ids, table, h, norms[0].weight, norms[1].weight, 1e-5)
+        want = torch.cat([norms[0](table[ids]), norms[1](h)], dim=-1)
+    assert torch.equal(out, want)
+
+
+@needs_cuda
+def test_follow_rows_moves_features_and_block_ends():
+    """The follower's bookkeeping: previous features out, this step's in, block ends kept, padding rows
+    (the scratch row) touching only scratch."""
+    from specserve.layers import triton_ops
+
+    torch.manual_seed(0)
+    dev, dim, page = torch.device("cuda"), 2500, 4
+    features = torch.randn(6, dim, device=dev)  # 5 requests + scratch
+    block_features = torch.zeros(9, dim, device=dev)  # 8 blocks + scratch
+    aux = torch.randn(4, dim, device=dev)
+    rows = torch.tensor([3, 0, 5, 5], device=dev)  # two padding rows
+    positions = torch.tensor([7, 0, 11, 3], device=dev)
+    tables = torch.tensor([[2, 6, 1, 0], [4, 0, 0, 0], [7, 7, 7, 7], [1, 1, 1, 1]], dtype=torch.int32, device=dev)
+    before = features.clone()
+    previous, prev_positions = triton_ops.follow_rows(aux, features, block_features, rows, positions, tables, page)
+    assert torch.equal(previous[:2], before[[3, 0]])
+    assert prev_positions[:2].tolist() == [6, 0]
+    assert torch.equal(features[[3, 0]], aux[:2]) and torch.equal(features[[1, 2, 4]], before[[1, 2, 4]])
+    assert torch.equal(block_features[6], aux[0])  # position 7 ends block 1 of row 0's table: block 6
+    assert block_features[:8].abs().sum(-1).nonzero().flatten().tolist() == [6]

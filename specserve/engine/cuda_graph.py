@@ -68,13 +68,18 @@ class StepInputs:
     block_tables: list[list[int]]
     trees: list  # per sequence: [q, q] ancestor mask or None (causal)
     logit_index: list[int]
+    req_indices: list[int]  # per sequence: its request index (Sequence.req_index)
 
 
 class GraphRunner:
     def __init__(self, model, block_size: int, max_bs: int, max_blocks: int, tokens_per_seq: list[int],
                  aux_layers: tuple[int, ...], group: int, scratch_slot: int, device: torch.device,
-                 max_graph_tokens: int = 2048):
+                 follow=None, pad_index: int = 0, max_graph_tokens: int = 2048):
+        """follow: a Follower's `follow` (speculative/proposer.py), run at the end of the plain-decode
+        graphs (one token per sequence) on their auxiliary hidden states, which they then do not output;
+        pad_index: the request index its padding rows get."""
         self.model, self.block_size, self.aux_layers, self.group = model, block_size, aux_layers, group
+        self.follow, self.pad_index = follow, pad_index
         self.scratch_slot, self.device = scratch_slot, device
         sizes = capture_sizes(max_bs)
         most = max(max_graph_tokens, max_bs)
@@ -89,6 +94,7 @@ class GraphRunner:
         self.seq_lens = torch.zeros(max_bs, **i32)
         self.tree_lens = torch.zeros(max_bs, **i32)
         self.tile_seq = torch.arange(max_bs, **i32)
+        self.req_indices = torch.full((max_bs,), pad_index, **i64)  # follow's rows
         self.tile_q0 = torch.zeros(max_bs, **i32)
         self.q_starts = {q: torch.arange(0, max_bs * q, q, **i32) for q in self.sizes}
         self.q_lens = {q: torch.full((max_bs,), q, **i32) for q in self.sizes}
@@ -108,7 +114,12 @@ class GraphRunner:
     def _run(self, bs: int, q: int):
         n = bs * q
         hidden, aux = self.model(self.ids[:n], self.positions[:n], self._meta(bs, q), self.aux_layers)
-        return self.model.compute_logits(hidden).float(), (torch.cat(aux, dim=-1) if aux else None)
+        aux = torch.cat(aux, dim=-1) if aux else None  # [n, aux_dim]
+        if q == 1 and self.follow is not None:
+            self.follow(bs, aux, self.ids[:bs], self.positions[:bs], self.slots[:bs], self.block_tables[:bs],
+                        self.req_indices[:bs])
+            aux = None
+        return self.model.compute_logits(hidden).float(), aux
 
     @torch.inference_mode()
     def capture(self) -> float:
@@ -137,14 +148,17 @@ class GraphRunner:
         slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
         tables = padded_tables(step.block_tables)  # [real, width]
         width = tables.shape[1]
-        longs = torch.tensor([step.ids, step.positions, slots], dtype=torch.long)  # [3, n]
+        follows = q == 1 and self.follow is not None
+        rows = step.req_indices + [self.pad_index] * (bs - real) if follows else []
+        longs = to_device(step.ids + step.positions + slots + rows, torch.long, self.device)  # [3n (+ bs)]
         ints = torch.tensor([step.seq_lens + [0] * (bs - real),
                              [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],
                             dtype=torch.int32)  # [2, bs]
-        longs = to_device(longs, torch.long, self.device)
-        self.ids[:n].copy_(resolve(longs[0]) if resolve is not None else longs[0])
-        self.positions[:n].copy_(longs[1])
-        self.slots[:n].copy_(longs[2])
+        self.ids[:n].copy_(resolve(longs[:n]) if resolve is not None else longs[:n])
+        self.positions[:n].copy_(longs[n:2 * n])
+        self.slots[:n].copy_(longs[2 * n:3 * n])
+        if follows:
+            self.req_indices[:bs].copy_(longs[3 * n:])
         if any(t is not None for t in step.trees):
             self.tree_bits[:n].copy_(tree_bits(step.trees, step.q_lens, self.device))
         else:

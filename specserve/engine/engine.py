@@ -108,6 +108,8 @@ class LLMEngine:
                 if config.speculative.enabled else None
             self.blocks = make_block_manager(config.cache, self.runner, self.spec.proposer if self.spec else None)
             shapes = self.spec.shapes if self.spec is not None else [PLAIN]
+            if self.spec is not None:
+                self.runner.follower = self.spec.make_follower()
             self.runner.capture_graphs(self.aux_layers, sorted({s.num_nodes for s in shapes}))
             if self.spec is not None and self.runner.graphs is not None:
                 self.spec.capture_graphs(config.execution.cuda_graph_max_bs)

@@ -52,6 +52,7 @@ class ModelRunner:
         self.draft_embedding = None  # rank 0 with speculation: the target's embedding, whole (EAGLE-3 reads it)
         self.graphs: Optional[GraphRunner] = None
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
+        self.follower = None  # rank 0 with speculation: the proposer's work in plain-decode graphs (a Follower)
         self.backend = config.execution.attention_backend
         self.sampler = Sampler()
         try:
@@ -118,8 +119,10 @@ class ModelRunner:
         ex = self.config.execution
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
+        follow = self.follower.follow if self.follower is not None and aux_layers else None
         self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
-                                  aux_layers, self.group, self.scratch_slot, self.device)
+                                  aux_layers, self.group, self.scratch_slot, self.device, follow,
+                                  self.config.scheduler.max_num_seqs)
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
@@ -143,7 +146,7 @@ class ModelRunner:
                 ) -> tuple[StepInputs, list[range], list[int], Optional[torch.Tensor]]:
         """Flatten a batch into step inputs, each item's logits rows, each item's first token index and the
         draft tokens [B, N] on the device that the inputs' placeholders -1-i refer to (flat index i)."""
-        step = StepInputs([], [], [], [], [], [], [])
+        step = StepInputs([], [], [], [], [], [], [], [])
         rows, offsets, drafts = [], [], None
         for item in batch:
             seq, n = item.seq, item.num_tokens
@@ -172,6 +175,7 @@ class ModelRunner:
                 if item.samples:
                     step.logit_index.append(len(step.ids) - 1)
             step.q_lens.append(n)
+            step.req_indices.append(seq.req_index)
             step.seq_lens.append(start + n)
             step.block_tables.append(seq.block_table)
         return step, rows, offsets, drafts
@@ -182,6 +186,10 @@ class ModelRunner:
         sampling item) to `publish` without reading them, and the next step's inputs may refer to them."""
         step, rows, offsets, drafts = self.prepare(batch)
         sampled = sum(1 for item in batch if item.samples) if publish else 0
+        if self.graphs is not None and self.graphs.follow is not None:
+            key = self.graphs.graph_for(step)
+            if key is not None and key[1] == 1:
+                self.follower.before_step([item.seq for item in batch])
         if drafts is not None:  # no step is in flight: the placeholders are draft tokens
             self.pending_tokens = drafts.view(-1)
         try:

@@ -18,7 +18,8 @@ class Scheduler:
     recently admitted running sequence is preempted: its blocks are freed and it is computed again later
     (recompute; its complete blocks stay in the prefix cache while the pool allows). Waiting sequences are
     admitted while the budget, the pool and max_num_seqs allow, starting from the cached blocks their
-    tokens begin with.
+    tokens begin with. Each running sequence holds a request index below max_num_seqs (`req_index`), its row
+    in per-request device buffers, from admission until it finishes or is preempted.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
@@ -27,6 +28,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.free_indices = list(range(config.max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -68,6 +70,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.req_index = self.free_indices.pop()
             self.running.append(seq)
             self.blocks.admit(seq, hit, n)
             batch.append(ScheduledSeq(seq, n))
@@ -75,6 +78,7 @@ class Scheduler:
         return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        self._release_index(seq)
         self.blocks.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
@@ -84,6 +88,11 @@ class Scheduler:
         """Release a finished or aborted sequence, wherever it is."""
         if seq in self.running:
             self.running.remove(seq)
+            self._release_index(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+
+    def _release_index(self, seq: Sequence) -> None:
+        self.free_indices.append(seq.req_index)
+        seq.req_index = -1

@@ -58,6 +58,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: Optional[torch.Generator] = None
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
+        self.req_index = -1  # while running: its row in per-request device buffers (< max_num_seqs)
         self.num_pending = 0  # tokens sampled on the device, not yet known here (overlap scheduling)
         self.pending_row = -1  # where the pending token sits in the in-flight step's sampled tokens
         self.prefix_state = None  # the block manager's per-request prefix-cache state

@@ -66,6 +66,10 @@ class SpecDecoder:
         block = self.runner.block_size
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
 
+    def make_follower(self):
+        """The proposer's follower for the target's plain-decode graphs, or None (see Proposer)."""
+        return self.proposer.make_follower(self.config.scheduler.max_num_seqs)
+
     def calibrate(self, engine) -> None:
         """Measure every shape's step time at start-up for the adaptive controller (the engine calls this
         once it is built and idle; other policies do not need it). See speculative/calibration.py."""
@@ -133,7 +137,7 @@ class SpecDecoder:
             start += len(verdicts[k].tokens)
         return result
 
-    def observe(self, aux: torch.Tensor, committed: list) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list) -> None:
         """What the target committed this step (see `Proposer.observe`)."""
         if committed:
             self.proposer.observe(aux, committed)

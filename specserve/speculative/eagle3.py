@@ -16,9 +16,11 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..layers import triton_ops
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import WHOLE
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import ArchConfig, DecoderShape, read_config
 from ..models.llama import MLP, LlamaForCausalLM
@@ -85,6 +87,13 @@ class Eagle3Attention(nn.Module):
     def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Write the keys and values of x [n, 2H] at positions [n] into cache slots [n], attending to
         nothing: what forward would store for them."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(n, self.heads, self.head_dim)
+        if triton_ops.rotary_fits(q):  # one launch: rotary and both cache writes
+            k, v = (t.view(n, self.kv_heads, self.head_dim) for t in (k, v))
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache, slots)
+            return
         _, k, v = self._rotated(x, positions)
         self.attn.kv_cache[0, slots] = k
         self.attn.kv_cache[1, slots] = v
@@ -107,16 +116,20 @@ class Eagle3MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, embeds, hidden, positions, meta):
-        h = self.self_attn(self._inputs(embeds, hidden), positions, meta) + hidden
+    def forward(self, embed: nn.Module, ids, hidden, positions, meta):
+        h = self.self_attn(self._inputs(embed, ids, hidden), positions, meta) + hidden
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def store_kv(self, embeds, hidden, positions, slots) -> None:
+    def store_kv(self, embed: nn.Module, ids, hidden, positions, slots) -> None:
         """Only the KV cache writes of forward (slots [n]): no attention, no output."""
-        self.self_attn.store_kv(self._inputs(embeds, hidden), positions, slots)
+        self.self_attn.store_kv(self._inputs(embed, ids, hidden), positions, slots)
 
-    def _inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [n, 2H]
+    def _inputs(self, embed: nn.Module, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, 2H]: the normed token embeddings of ids [n] beside the normed hidden [n, H]."""
+        if triton_ops.use_triton(hidden) and hidden.dim() == 2 and getattr(embed, "tp", WHOLE).size == 1:
+            return triton_ops.embed_norm_pair(ids, embed.weight, hidden, self.input_layernorm.weight,
+                                              self.hidden_norm.weight, self.hidden_norm.eps)
+        return torch.cat([self.input_layernorm(embed(ids)), self.hidden_norm(hidden)], dim=-1)
 
 
 class Eagle3Draft(nn.Module):
@@ -139,7 +152,7 @@ class Eagle3Draft(nn.Module):
         logit_rows when given, and the pre-norm hidden [n, H])."""
         if hidden.shape[-1] != self.config.hidden_size:
             hidden = self.fc(hidden)
-        h = self.midlayer(self.embed_tokens(ids), hidden, positions, meta)
+        h = self.midlayer(self.embed_tokens, ids, hidden, positions, meta)
         out = h if logit_rows is None else h[logit_rows]
         return self.lm_head(self.norm(out)), h
 
@@ -148,7 +161,7 @@ class Eagle3Draft(nn.Module):
         """The draft KV of pairs (ids [n], target features [n, 3*Ht]) at positions [n], written into cache
         slots [n] without attending: a pair's KV depends on nothing else, so pairs whose outputs nobody
         reads (all but the last of a catch-up) need only this."""
-        self.midlayer.store_kv(self.embed_tokens(ids), self.fc(features), positions, slots)
+        self.midlayer.store_kv(self.embed_tokens, ids, self.fc(features), positions, slots)
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..device import to_device
+from ..device import RowGather, to_device
 from ..engine.cuda_graph import capture_all, capture_sizes
 from ..engine.sequence import Sequence
 from ..layers.triton_attention import TritonMetadata, block_q_for, padded_tables, tree_bitmask
@@ -122,20 +122,17 @@ class DraftGraphs:
         q, real = self.q, len(seqs)
         ids = [0] * (bs * q)
         q_lens, ends = [1] * bs, [1] * bs
-        sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # id(tensor): (tensor, src, dst)
+        gather = RowGather()
         for b, seq in enumerate(seqs):
             state, end = seq.draft_state, seq.num_computed_tokens
             n = end - state.computed
             ids[b * q:b * q + n] = seq.token_ids[state.computed + 1:end + 1]
             q_lens[b], ends[b] = n, end
             row = b * q
-            for t, rows in state.pending:
-                _, src, dst = sources.setdefault(id(t), (t, [], []))
-                src.extend(rows)
-                dst.extend(range(row, row + len(rows)))
+            for t, rows in state.take(n):
+                gather.add(t, rows, range(row, row + len(rows)))
                 row += len(rows)
-            assert row == b * q + n, f"{seq.request_id}: {row - b * q} pending features for {n} pairs"
-            state.computed, state.pending = end, []
+            assert not state.pending, f"{seq.request_id}: pending features past the computed positions"
         dev = self.ids.device
         longs = to_device(ids + ends + [int(b < real) for b in range(bs)] + q_lens, torch.long, dev)
         self.ids[:bs * q].copy_(longs[:bs * q])
@@ -144,8 +141,7 @@ class DraftGraphs:
         self.q_lens[:bs].copy_(longs[bs * q + 2 * bs:])
         tables = padded_tables([s.block_table for s in seqs])  # [real, width]
         self.tables[:real, :tables.shape[1]].copy_(to_device(tables, torch.int32, dev))
-        for t, src, dst in sources.values():
-            self.features[to_device(dst, torch.long, dev)] = t[to_device(src, torch.long, dev)]
+        gather.into(self.features)
         self.graphs[(bs, shape)].replay()
         self.replays += 1
         return tuple(x[:real] for x in self.outputs[(bs, shape)])

@@ -19,12 +19,13 @@ from typing import Optional, Union
 import torch
 
 from ..config import SpeculativeConfig
-from ..device import to_device
+from ..device import RowGather, to_device
 from ..engine.sequence import Sequence
 from ..layers.attention import build_metadata
 from ..models import ArchConfig
 from .controller import Shape
 from .eagle3 import Eagle3Draft, load_eagle3
+from .eagle3_follow import DraftFollower
 from .eagle3_graphs import DraftGraphs
 from .proposer import Proposer
 from .synthetic import SyntheticAcceptance
@@ -49,6 +50,22 @@ class DraftState:
     computed: int = 0  # pairs whose draft KV is in the cache
     # target features of the positions after `computed`, unsliced: (a step's aux [tokens, aux_dim], rows)
     pending: list[tuple[torch.Tensor, Union[range, list[int]]]] = field(default_factory=list)
+    # kept up by the plain-decode graphs (eagle3_follow.py): computed and pending are read off the sequence
+    follows: bool = False
+
+    def take(self, count: int) -> list[tuple[torch.Tensor, Union[range, list[int]]]]:
+        """The first `count` pending features, now counted computed: their (tensor, rows) entries."""
+        taken, rest, left = [], [], count
+        for t, rows in self.pending:
+            k = min(len(rows), left)
+            if k:
+                taken.append((t, rows[:k]))
+            if k < len(rows):
+                rest.append((t, rows[k:]))
+            left -= k
+        assert left == 0, f"{count - left} pending features, {count} taken"
+        self.pending, self.computed = rest, self.computed + count
+        return taken
 
 
 class Eagle3Proposer(Proposer):
@@ -73,9 +90,11 @@ class Eagle3Proposer(Proposer):
                                     device=device)
         attn.kv_cache = self.kv_cache
         self.group = attn.num_heads // attn.num_kv_heads
-        # [blocks, aux_dim]: the target features of each block's last position
-        self.block_features = torch.zeros(num_slots_total // block_size, len(self.aux_layers) * target_arch.hidden_size,
-                                          dtype=dtype, device=device)
+        # [blocks + scratch, aux_dim]: the target features of each block's last position
+        aux_dim = len(self.aux_layers) * target_arch.hidden_size
+        self.all_block_features = torch.zeros(num_slots_total // block_size + 1, aux_dim, dtype=dtype, device=device)
+        self.block_features = self.all_block_features[:-1]  # [blocks, aux_dim]
+        self.follower: Optional[DraftFollower] = None
         self.last_catch_up = 0  # pairs the latest propose() had to run before drafting
         self._depths: dict[Shape, torch.Tensor] = {}
         self.graphs: Optional[DraftGraphs] = None  # steady-state drafting replayed from CUDA graphs
@@ -83,31 +102,46 @@ class Eagle3Proposer(Proposer):
     def num_slots(self, shape: Shape) -> int:
         return max(shape.num_nodes, (shape.steps - 1) * shape.topk + 1)
 
-    def observe(self, aux: torch.Tensor, committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+    def make_follower(self, max_seqs: int) -> DraftFollower:
+        self.follower = DraftFollower(self, max_seqs)
+        return self.follower
+
+    def state(self, seq: Sequence, start: Optional[int] = None) -> DraftState:
+        """seq's draft state as of `start` computed positions (default: all), created if it has none: a
+        request that started on cached blocks has their pairs cached but the last, which needs the row
+        block_features keeps; one that follows (eagle3_follow.py) is one pair behind."""
+        start = seq.num_computed_tokens if start is None else start
+        state = seq.draft_state
+        if state is None:
+            state = seq.draft_state = DraftState()
+            if start > 0:
+                state.computed = start - 1
+                block = seq.block_table[start // self.block_size - 1]
+                state.pending.append((self.block_features, range(block, block + 1)))
+        elif state.follows:
+            state.follows, state.computed = False, start - 1
+            state.pending = [(self.follower.features, range(seq.req_index, seq.req_index + 1))]
+        return state
+
+    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+        if aux is None:  # a plain-decode graph stored the pairs (eagle3_follow.py)
+            return
         bs, blocks, rows = self.block_size, [], []
         for seq, idx in committed:
             end = seq.num_computed_tokens
             start = end - len(idx)
-            if seq.draft_state is None:
-                seq.draft_state = DraftState()
-                if start > 0:  # started on cached blocks: their pairs are cached but the last, which needs this row
-                    seq.draft_state.computed = start - 1
-                    block = seq.block_table[start // bs - 1]
-                    seq.draft_state.pending.append((self.block_features, range(block, block + 1)))
-            seq.draft_state.pending.append((aux, idx))
+            self.state(seq, start).pending.append((aux, idx))
             for i in range(bs - 1 - start % bs, end - start, bs):  # rows at the last position of a block
                 blocks.append(seq.block_table[(start + i) // bs])
                 rows.append(idx[i])
         if blocks:  # one copy per step for every sequence
             self.block_features[self._ids(blocks)] = aux[self._ids(rows)]
 
-    def _features(self, state: DraftState) -> torch.Tensor:
-        """[pending pairs, aux_dim]: the pending features, gathered."""
-        parts = [t[r.start:r.stop] if isinstance(r, range) else t[self._ids(r)] for t, r in state.pending]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
-
     def cached_tokens(self, seq: Sequence) -> int:
-        return seq.draft_state.computed + 1 if seq.draft_state is not None else 0
+        state = seq.draft_state
+        if state is None:
+            return 0
+        return seq.num_computed_tokens if state.follows else state.computed + 1
 
     def cache_planes(self) -> list[torch.Tensor]:
         blocks = self.block_features.shape[0]
@@ -124,6 +158,8 @@ class Eagle3Proposer(Proposer):
     # ---- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
+        for seq in seqs:
+            self.state(seq)
         if self.graphs is not None and self.graphs.fits(seqs, shape):
             self.last_catch_up = sum(s.num_computed_tokens - s.draft_state.computed for s in seqs)
             cands = self.graphs.run(seqs, shape)
@@ -193,21 +229,23 @@ class Eagle3Proposer(Proposer):
             # a stop inside an accepted run (or a step that ran past the stop) computed KV for tokens
             # the request dropped: a pair needs its next token, so stop at the last one kept
             end = min(end, len(seq.token_ids) - 1)
-            state = seq.draft_state
-            if state is None:
+            if seq.draft_state is None:
                 continue
+            state = self.state(seq)
             skip = min(cached * bs - 1, end) - state.computed  # pairs whose slots lie in cached blocks
             if skip > 0:
-                state.computed += skip
-                feats = self._features(state)
-                state.pending = [(feats, range(skip, feats.shape[0]))]
+                state.take(skip)
             if end > state.computed:
                 behind.append(seq)
                 ends.append(end)
         if behind:  # only the draft KV of these blocks is wanted: no attention, no outputs
-            pairs = self._take_pairs(behind, ends)
-            self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions),
-                                self._ids(pairs.slots))
+            self.store_pairs(behind, ends)
+
+    def store_pairs(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """Store the draft KV of each sequence's pairs before pair ends[i], without attending (nobody reads
+        their outputs), and mark them seen."""
+        pairs = self._take_pairs(seqs, ends)
+        self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), self._ids(pairs.slots))
 
     def _catch_up(self, seqs: list[Sequence], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over every committed pair it has not seen; return the last pair's logits and
@@ -235,23 +273,23 @@ class Eagle3Proposer(Proposer):
         """The pairs each sequence's draft has not seen, up to pair ends[i] - 1 (default: all committed
         ones), flattened in sequence order; marks them seen."""
         bs = self.block_size
-        pairs, feats = Pairs([], [], [], [], [], [], None), []
+        pairs, gather = Pairs([], [], [], [], [], [], None), RowGather()
         for i, seq in enumerate(seqs):
             state = seq.draft_state
             start, end = state.computed, ends[i] if ends else seq.num_computed_tokens
-            pending = self._features(state)  # [n, aux_dim]
-            assert pending.shape[0] == seq.num_computed_tokens - start, f"{seq.request_id}: {pending.shape[0]} features"
             table = seq.block_table
+            row = len(pairs.ids)
+            for t, rows in state.take(end - start):
+                gather.add(t, rows, range(row, row + len(rows)))
+                row += len(rows)
             pairs.ids.extend(seq.token_ids[start + 1:end + 1])
             pairs.positions.extend(range(start, end))
             pairs.slots.extend(table[p // bs] * bs + p % bs for p in range(start + 1, end + 1))  # one slot late
-            feats.append(pending[:end - start])
             pairs.q_lens.append(end - start)
             pairs.ends.append(end)
             pairs.last.append(len(pairs.ids) - 1)
-            state.computed = end
-            state.pending = [(pending, range(end - start, pending.shape[0]))] if end < seq.num_computed_tokens else []
-        pairs.features = torch.cat(feats) if len(feats) > 1 else feats[0]
+        aux = self.block_features
+        pairs.features = gather.into(torch.empty(len(pairs.ids), aux.shape[1], dtype=aux.dtype, device=aux.device))
         return pairs
 
     def _expand(self, seqs, base, depth, tokens, h_in, ancestors):

@@ -2,13 +2,26 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Union
+from typing import Optional, Protocol, Union
 
 import torch
 
 from ..engine.sequence import Sequence
 from .controller import Shape
 from .tree import DraftTree
+
+
+class Follower(Protocol):
+    """Runs inside the target's plain-decode CUDA graphs (one token per sequence), after the model."""
+
+    def before_step(self, seqs: list[Sequence]) -> None:
+        """Host, before a plain-decode graph replays for seqs."""
+
+    def follow(self, bs: int, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """Captured: aux [bs, aux_dim] the step's auxiliary hidden states; ids, positions, slots [bs] its
+        tokens, their positions and KV slots (the scratch slot on padding rows); tables [bs, max_blocks];
+        rows [bs] the request indices (max_num_seqs on padding rows)."""
 
 
 class Proposer(ABC):
@@ -32,12 +45,20 @@ class Proposer(ABC):
         """One draft tree of exactly shape.num_nodes nodes per sequence (each has one uncomputed token)."""
 
     @abstractmethod
-    def observe(self, aux: torch.Tensor, committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]]
+                ) -> None:
         """The target committed the KV of these sequences' next positions, once per step: aux
         [num_tokens, aux_dim] holds the step's auxiliary hidden states (empty aux_dim when aux_layers is
-        empty) and, per sequence, the rows of its committed positions in position order. The first
-        observe of a request that started on cached blocks comes with num_computed_tokens past them:
-        the proposer's state for those blocks comes from the cache."""
+        empty) and, per sequence, the rows of its committed positions in position order; aux is None
+        after a plain-decode graph that ran the proposer's follower. The first observe of a request that
+        started on cached blocks comes with num_computed_tokens past them: the proposer's state for those
+        blocks comes from the cache."""
+
+    def make_follower(self, max_seqs: int) -> Optional["Follower"]:
+        """What the target's plain-decode CUDA graphs run after the model so that this proposer keeps up
+        with plain decoding on the device (max_seqs: request indices run below it); None: it observes the
+        auxiliary hidden states of every step instead."""
+        return None
 
     def capture_graphs(self, shapes: list[Shape], max_bs: int, max_blocks: int) -> None:
         """Capture drafting of these shapes for batches up to max_bs in CUDA graphs (max_blocks: the

@@ -1,0 +1,74 @@
+"""EAGLE-3's draft keeps up with plain decoding inside the target's CUDA graphs.
+
+A plain decode step computes one position per sequence; the draft's pair for it (target features at that
+position, the token after it) completes only at the next step, once that token is sampled. Left for later,
+these pairs cost the engine a copy of the auxiliary hidden states and host bookkeeping per step, and the
+first speculative step after a plain phase a catch-up over every position decoded without the draft.
+
+Instead, the target's plain-decode graphs (one token per sequence) end with `follow`: per sequence it
+stores the draft KV of the previous pair (the feature kept from the step before, the token this step
+computes) and keeps this step's feature for the next step, in row `req_index` of `features`. A sequence
+that follows is one pair behind the target at every step boundary (draft pairs computed =
+num_computed_tokens - 1, the next pair's feature in its row), which the proposer reads off when it needs
+the state (`Eagle3Proposer._state`); `before_step` brings a sequence there before its first graphed plain
+step (after a prefill, a verify or an eager step: the pairs in between are stored eagerly, once).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..device import RowGather
+from ..engine.sequence import Sequence
+from ..layers import triton_ops
+
+if TYPE_CHECKING:
+    from .eagle3_proposer import Eagle3Proposer
+
+
+class DraftFollower:
+    def __init__(self, proposer: "Eagle3Proposer", max_seqs: int):
+        """max_seqs: request indices run below this; the row after them is scratch (padding rows)."""
+        self.proposer = proposer
+        aux = proposer.block_features
+        # [seqs + 1, aux_dim]: per request index, the features of its latest computed position
+        self.features = torch.zeros(max_seqs + 1, aux.shape[1], dtype=aux.dtype, device=aux.device)
+
+    def before_step(self, seqs: list[Sequence]) -> None:
+        """Host, before a plain-decode graph replays for seqs: bring every sequence that does not follow yet
+        to one pair behind."""
+        todo = [s for s in seqs if s.draft_state is None or not s.draft_state.follows]
+        if todo:
+            self._settle(todo)
+
+    def _settle(self, seqs: list[Sequence]) -> None:
+        """Store each sequence's pending pairs but the last, move the last one's feature to its row."""
+        p = self.proposer
+        for seq in seqs:
+            p.state(seq, seq.num_computed_tokens)
+        behind = [s for s in seqs if s.num_computed_tokens - s.draft_state.computed > 1]
+        if behind:
+            p.store_pairs(behind, [s.num_computed_tokens - 1 for s in behind])
+        gather = RowGather()
+        for seq in seqs:
+            state = seq.draft_state
+            if seq.num_computed_tokens > state.computed:  # none before a one-token prompt's first step
+                for t, rows in state.take(1):
+                    gather.add(t, rows, [seq.req_index])
+            assert not state.pending, f"{seq.request_id}: pending features past the computed positions"
+            state.follows = True
+        gather.into(self.features)
+
+    def follow(self, bs: int, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """In the graph, after the model: aux [bs, aux_dim] this step's features; ids, positions, slots [bs]
+        the step's tokens, their positions and KV slots (the scratch slot on padding rows); tables
+        [bs, max_blocks] the block tables; rows [bs] the request indices (the scratch row on padding).
+        Pair p - 1 sits in position p's slot; at position 0 (a one-token
+        prompt) a pair of position 0 lands in slot 0 of its block, which the draft never reads. Five
+        launches: the rows' bookkeeping, fc, the normed inputs, qkv, rotary with the cache writes."""
+        p = self.proposer
+        previous, prev_positions = triton_ops.follow_rows(aux, self.features, p.all_block_features, rows,
+                                                          positions, tables, p.block_size)
+        p.draft.store_kv(ids, previous, prev_positions, slots)
