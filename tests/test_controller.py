@@ -296,3 +296,38 @@ def test_a_shape_whose_cost_drifts_after_start_up_is_corrected_within_bounded_st
     chosen = feed(c, 8, live, accept=0.6, steps=600, noise=0.1)
     assert SHAPES[-1] not in chosen[60:] or regret(chosen[60:], 8, live, 0.6) <= 0.05
     assert regret(chosen[100:], 8, live, 0.6) <= 0.05
+
+
+def test_a_step_is_priced_by_the_tokens_it_emits():
+    """A verify that accepts more costs more host time (detokenizing, stop checks, KV blocks: ~15 us per
+    token on the H200's host). Start-up steps accept almost nothing (random prompts), so their times
+    alone make a long chain look cheap at high acceptance: here chain 3 costs 6.3 ms at start-up but
+    8.6 ms live at batch 64 (156 more tokens), and plain decoding is the best shape. Priced with the
+    start-up's seconds per token, the chain's time is right before it ever runs, and plain is kept."""
+    batch, per_token, accept = 64, 15e-6, 0.9
+    base = {0: 0.00206, 1: 0.00457, 2: 0.00587, 3: 0.00630}  # at the start-up's one token per request
+    tau = 1 + accept + accept ** 2 + accept ** 3
+
+    def seeded(token_seconds: float) -> Controller:
+        c = Controller("adaptive", SHAPES)
+        c.seed_costs({(n, s): [base[s.k] * n / batch] * 4 for n in (32, 64, 128) for s in SHAPES},
+                     tokens={(n, s): [n] * 4 for n in (32, 64, 128) for s in SHAPES}, token_seconds=token_seconds)
+        c.pin_acceptance([accept])  # known: the question is the step costs alone
+        return c
+
+    chain = SHAPES[-1]
+    live = base[3] + per_token * batch * (tau - 1)
+    assert seeded(per_token).seconds(batch, chain, batch) == pytest.approx(live, rel=0.01)
+    assert seeded(0.0).seconds(batch, chain, batch) < 0.75 * live
+    c, rng, chosen = seeded(per_token), random.Random(0), []
+    for _ in range(1500):
+        shape = c.choose(batch)
+        chosen.append(shape)
+        accepted = [0] * batch
+        for i in range(batch if shape.steps else 0):
+            while accepted[i] < shape.steps and rng.random() < accept:
+                accepted[i] += 1
+        tokens = batch + sum(accepted)
+        step = base[shape.k] + per_token * (tokens - batch)
+        c.record_step(batch, shape, step * (1 + rng.uniform(-0.05, 0.05)), tokens=tokens)
+    assert sum(s == PLAIN for s in chosen[300:]) >= 0.95 * 1200

@@ -211,6 +211,7 @@ class LLMEngine:
             return self._step_overlapped(start)
         outputs = self._drain() if self.inflight is not None else []
         start = time.perf_counter()  # the drained step's device time belongs to that step
+        emitted = self.stats.num_generation_tokens
         batch = self.scheduler.schedule(self._decode_shape)
         if not batch:
             return outputs
@@ -227,7 +228,8 @@ class LLMEngine:
         outputs += self._apply(batch, out)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         if self._decoding_only(batch):
-            self.spec.record_step(len(batch), self.shape, time.perf_counter() - start, len(speculating))
+            self.spec.record_step(len(batch), self.shape, time.perf_counter() - start, len(speculating),
+                                  self.stats.num_generation_tokens - emitted)
         return outputs
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------

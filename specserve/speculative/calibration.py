@@ -15,28 +15,45 @@ import copy
 import dataclasses
 import logging
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
 from .controller import Shape
+from .synthetic import SyntheticAcceptance
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Calibration:
-    """Per (batch size, shape), the wall times of its timed steps; and what the measurement cost."""
+    """Per (batch size, shape), the wall times of its timed steps and the tokens each emitted; the host
+    time per emitted token; and what the measurement cost."""
 
     times: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
+    tokens: dict[tuple[int, Shape], list[int]] = field(default_factory=dict)
+    token_seconds: float = 0.0
+    # per batch size: (seconds, tokens) of the longest chain's steps accepting nothing, and everything
+    token_steps: dict[int, tuple[list, list]] = field(default_factory=dict)
     seconds: float = 0.0  # wall time of the whole measurement, prefill of the dummy requests included
 
     def summary(self) -> dict:
-        """{batch size: {shape label: median ms}} and the time it took, for /server_info."""
+        """{batch size: {shape label: median ms}}, ms per emitted token and the time it took, for /server_info."""
         table: dict = {}
         for (n, shape), ts in sorted(self.times.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
-            table.setdefault(n, {})[shape.label] = round(sorted(ts)[len(ts) // 2] * 1e3, 3)
-        return {"seconds": round(self.seconds, 2), "step_ms": table}
+            table.setdefault(n, {})[shape.label] = round(statistics.median(ts) * 1e3, 3)
+        return {"seconds": round(self.seconds, 2), "step_ms": table, "token_ms": round(self.token_seconds * 1e3, 4)}
+
+    def fit_token_seconds(self) -> None:
+        """Host seconds per emitted token: the extra time of the steps that accepted every draft over those
+        that accepted none, per extra token, summed over the batch sizes (the largest weigh most)."""
+        extra_time = extra_tokens = 0.0
+        for none, every in self.token_steps.values():
+            if none[0] and every[0]:
+                extra_time += statistics.median(every[0]) - statistics.median(none[0])
+                extra_tokens += statistics.median(every[1]) - statistics.median(none[1])
+        self.token_seconds = max(0.0, extra_time / extra_tokens) if extra_tokens > 0 else 0.0
 
 
 def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
@@ -49,18 +66,21 @@ def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
     return sizes + [top] if top >= 1 else sizes
 
 
-def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 1,
-              timed: int = 2) -> Calibration:
-    """Time `rounds` x `timed` steps of every shape (each run after `warmup` untimed steps: the draft's
-    catch-up after a switch, the overlap pipeline filling) at the batch sizes of `batch_sizes` in turn,
+def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 2,
+              timed: int = 3) -> Calibration:
+    """Time `rounds` x `timed` steps of every shape (each run after `warmup` untimed steps: the switch from
+    the shape before, and for plain decoding the overlap pipeline filling, which takes two steps: the first
+    plain step's time is read in the second) at the batch sizes of `batch_sizes` in turn,
     with dummy requests of
     `prompt_len` random tokens, as long as the next size (guessed to take twice the last) fits in
     `budget_s` seconds. The engine must be idle; it is idle again afterwards."""
     start = time.perf_counter()
     saved = copy.deepcopy(engine.stats)
     spec = engine.spec
+    synthetic = spec.synthetic
     result = Calibration()
-    steps_per_size = rounds * (warmup + timed) * len(shapes)
+    chain = max((s for s in shapes if s.topk == 1 and s.steps), key=lambda s: s.steps, default=None)
+    steps_per_size = rounds * (warmup + timed) * (len(shapes) + (2 if chain else 0))
     longest = prompt_len + steps_per_size * max(s.num_nodes for s in shapes) + spec.num_slots(shapes[-1]) + 1
     max_len = engine.config.model.max_model_len
     if longest >= max_len:
@@ -85,16 +105,20 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
                 engine.step()
             for _ in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
                 for shape in shapes:
-                    spec.forced = shape
-                    for _ in range(warmup):
-                        engine.step()
-                    for _ in range(timed):
-                        t0 = time.perf_counter()
-                        engine.step()
-                        result.times.setdefault((n, shape), []).append(time.perf_counter() - t0)
+                    times, tokens = _timed_steps(engine, shape, warmup, timed)
+                    result.times.setdefault((n, shape), []).extend(times)
+                    result.tokens.setdefault((n, shape), []).extend(tokens)
+                if chain is not None:  # the host time per emitted token: the longest chain accepting 0 or all
+                    runs = result.token_steps.setdefault(n, (([], []), ([], [])))
+                    for rate, (times, tokens) in zip((0.0, 1.0), runs):
+                        spec.synthetic = SyntheticAcceptance((rate,) * chain.steps)
+                        for values, got in zip((times, tokens), _timed_steps(engine, chain, warmup, timed)):
+                            values.extend(got)
+                        spec.synthetic = synthetic
             last = time.perf_counter() - began
+        result.fit_token_seconds()
     finally:
-        spec.forced = None
+        spec.forced, spec.synthetic = None, synthetic
         for seq in seqs:
             engine.abort(seq.request_id)
         while engine.has_unfinished():
@@ -104,6 +128,20 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     log.info("speculation: step costs of %d shapes at batch sizes %s measured in %.1f s", len(shapes),
              sorted({n for n, _ in result.times}), result.seconds)
     return result
+
+
+def _timed_steps(engine, shape: Shape, warmup: int, timed: int) -> tuple[list[float], list[int]]:
+    """Steps of this shape: the times and emitted tokens of `timed` of them, after `warmup` untimed."""
+    engine.spec.forced = shape
+    for _ in range(warmup):
+        engine.step()
+    times, tokens = [], []
+    for _ in range(timed):
+        t0, emitted = time.perf_counter(), engine.stats.num_generation_tokens
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        tokens.append(engine.stats.num_generation_tokens - emitted)
+    return times, tokens
 
 
 def _restore(obj, saved) -> None:

@@ -104,6 +104,9 @@ class Controller:
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
         self.calibration: Optional[dict] = None  # what the start-up measurement found and cost (for explain)
+        # host seconds per token a step emits (detokenizing, stop checks, KV blocks: a verify that accepts
+        # more costs more); step times are kept without it and priced with each shape's expected tokens
+        self.token_seconds = 0.0
         self.serving_time: dict[int, float] = {}  # per bucket: seconds of decode steps recorded
         self.exploration_loss: dict[int, float] = {}  # per bucket: of them, seconds lost to other shapes
 
@@ -253,13 +256,19 @@ class Controller:
         """A step of this shape at this batch size, at the machine's current speed."""
         return self.speed(b) * self._cost(b, shape, batch_size)
 
+    def _cost(self, b: int, shape: Shape, batch_size: int, tokens: Optional[float] = None) -> float:
+        """A step's time at the speed index 1 when it emits `tokens` (default: the shape's expected)."""
+        tokens = batch_size * self.expected_tokens(shape) if tokens is None else tokens
+        return self._base(b, shape, batch_size) + self.token_seconds * tokens
+
     def speed(self, b: int) -> float:
         """Bucket b's speed index: the median speed its chosen shape's latest steps implied (1 before any)."""
         implied = self.implied_speed.get(b)
         return implied.median if implied else 1.0
 
-    def _cost(self, b: int, shape: Shape, batch_size: int) -> float:
-        """A step's time at the speed index 1 (see `StepTimes` for how batch sizes are read). A draft shape
+    def _base(self, b: int, shape: Shape, batch_size: int) -> float:
+        """A step's time at the speed index 1 less its emitted tokens' (see `StepTimes` for how batch sizes
+        are read). A draft shape
         not timed at all in bucket b is guessed from plain's time here and its cost ratio to plain in the
         nearest smaller bucket that measured both (`_ratio`; hopeful, as a verify's relative cost grows
         with the batch); the caller checks `_priced` first."""
@@ -280,7 +289,7 @@ class Controller:
         if not smaller:
             return None
         c = max(smaller)
-        return self._cost(c, shape, c) / self._cost(c, PLAIN, c)
+        return self._base(c, shape, c) / self._base(c, PLAIN, c)
 
     def _priced(self, b: int, shape: Shape) -> bool:
         """Is there a time for this shape in bucket b: measured, or guessed from a smaller bucket?"""
@@ -305,7 +314,7 @@ class Controller:
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True,
-                    caught_up: int = 0) -> None:
+                    caught_up: int = 0, tokens: Optional[int] = None) -> None:
         """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
         measured at different times, so times are kept at a per-bucket speed index, which the steps of
         the chosen shape track: the shape that runs anchors the others, which only probes measure, so
@@ -313,7 +322,8 @@ class Controller:
         from a slower machine. Every step earns the bucket `exploration_budget` of its time as credit;
         a step of another shape than the chosen one is charged what it lost against it. A step that is
         not `typical` of its shape (a draft catching up on `caught_up` pairs after plain steps) is charged
-        but not timed; what it cost over an ordinary step prices later probes' catch-ups."""
+        but not timed; what it cost over an ordinary step prices later probes' catch-ups. `tokens`: what
+        the step emitted (default: the shape's expected tokens), whose host time is kept apart."""
         b = bucket(batch_size)
         self._account(b, shape, batch_size, seconds)
         self.plain_steps = self.plain_steps + 1 if shape == PLAIN else 0
@@ -330,9 +340,11 @@ class Controller:
         if shape == self.current.get(b) and self._samples(b, shape) >= self.window:
             # the chosen shape's times are known: its steps move the speed index (all shapes alike), not them
             implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
-            implied.add(seconds / self._cost(b, shape, batch_size))
+            implied.add(seconds / self._cost(b, shape, batch_size, tokens))
             return
-        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(batch_size, seconds / self.speed(b))
+        emitted = batch_size * self.expected_tokens(shape) if tokens is None else tokens
+        self.step_time.setdefault((b, shape), StepTimes(self.window)).add(
+            batch_size, seconds / self.speed(b) - self.token_seconds * emitted)
         self.changes += 1
 
     def _account(self, b: int, shape: Shape, batch_size: int, seconds: float) -> None:
@@ -346,16 +358,20 @@ class Controller:
         self.credit[b] -= loss
         self.exploration_loss[b] = self.exploration_loss.get(b, 0.0) + loss
 
-    def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None) -> None:
+    def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None,
+                   tokens: Optional[dict[tuple[int, Shape], list[int]]] = None, token_seconds: float = 0.0) -> None:
         """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the
-        seconds of a few steps. They stand as each shape's estimate in the batch size's bucket until live
-        steps (of the chosen shape) or probes (of the others) replace them. `summary` is shown by `explain`."""
+        seconds of a few steps and the tokens each emitted, and the host seconds per emitted token. They
+        stand as each shape's estimate in the batch size's bucket until live steps (of the chosen shape)
+        or probes (of the others) replace them. `summary` is shown by `explain`."""
         self.calibration = summary
+        self.token_seconds = token_seconds
         self.changes += 1
         for (n, shape), seconds in times.items():
             window = self.step_time.setdefault((bucket(n), shape), StepTimes(self.window))
-            for t in seconds:
-                window.add(n, t)
+            emitted = (tokens or {}).get((n, shape)) or [n] * len(seconds)
+            for t, e in zip(seconds, emitted):
+                window.add(n, t - token_seconds * e)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         self.changes += 1

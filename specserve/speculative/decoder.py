@@ -77,7 +77,8 @@ class SpecDecoder:
         if self.controller.policy != "adaptive" or not budget:
             return
         self.calibration = calibrate(engine, self.shapes, budget)
-        self.controller.seed_costs(self.calibration.times, self.calibration.summary())
+        c = self.calibration
+        self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds)
 
     def choose(self, batch_size: int) -> Shape:
         return self.forced if self.forced is not None else self.controller.choose(batch_size)
@@ -146,8 +147,10 @@ class SpecDecoder:
         """These requests finish (see `Proposer.flush`)."""
         self.proposer.flush(seqs, cached_blocks)
 
-    def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0) -> None:
-        """A decode-only step's wall time, for the controller. `drafted`: sequences that speculated in it;
+    def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0,
+                    tokens: Optional[int] = None) -> None:
+        """A decode-only step's wall time, for the controller (`tokens`: what it emitted, when known).
+        `drafted`: sequences that speculated in it;
         a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
         decoding) is not typical of its shape: the controller charges it to exploration but does not time
         it."""
@@ -155,4 +158,4 @@ class SpecDecoder:
             return
         caught_up = self.proposer.last_catch_up if drafted else 0
         typical = caught_up <= drafted * (shape.steps + 1)
-        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up)
+        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up, tokens)
