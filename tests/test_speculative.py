@@ -194,9 +194,9 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert {s for _, s in times} == set(spec.shapes)
     assert all(len(ts) == 6 and min(ts) > 0 for ts in times.values())  # 2 rounds x 3 timed steps
     chain = max(spec.shapes, key=lambda s: s.steps)
-    for n in (1, 2, 4, 8):  # the host time per emitted token: the longest chain accepting nothing, then all
-        none, every = spec.calibration.token_steps[n]
-        assert none[1] == [n] * 6 and every[1] == [n * (chain.steps + 1)] * 6
+    assert list(spec.calibration.token_steps) == [4]  # the host time per emitted token, at batch 4:
+    none, every = spec.calibration.token_steps[4]  # the longest chain accepting nothing, then all
+    assert none[1] == [4] * 6 and every[1] == [4 * (chain.steps + 1)] * 6
     assert spec.calibration.token_seconds >= 0 and spec.controller.token_seconds == spec.calibration.token_seconds
     assert all(spec.controller._priced(bucket(n), s) for n, s in times)
     explained = spec.controller.explain()["calibration"]
