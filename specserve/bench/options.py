@@ -80,12 +80,9 @@ def requests_per_level(text: str) -> Union[int, Literal["auto"]]:
     if text.strip().lower() == AUTO:
         return AUTO
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or {AUTO!r}, got {text!r}")
-    return value
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or {AUTO!r}, got {text!r}") from None
 
 
 def positive_int(text: str) -> int:
