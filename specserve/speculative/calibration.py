@@ -68,13 +68,12 @@ def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
 
 def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 2,
               timed: int = 3) -> Calibration:
-    """Time `rounds` x `timed` steps of every shape (and at batch size 4, of the longest chain accepting
-    nothing and everything, for the host time per emitted token) (each run after `warmup` untimed steps: the switch from
-    the shape before, and for plain decoding the overlap pipeline filling, which takes two steps: the first
-    plain step's time is read in the second) at the batch sizes of `batch_sizes` in turn,
-    with dummy requests of
-    `prompt_len` random tokens, as long as the next size (guessed to take twice the last) fits in
-    `budget_s` seconds. The engine must be idle; it is idle again afterwards."""
+    """Time `rounds` x `timed` steps of every shape at the batch sizes of `batch_sizes` in turn, each run
+    after `warmup` untimed steps (the switch from the shape before; for plain decoding the overlap pipeline
+    fills in two steps, the first one's time read in the second), with dummy requests of `prompt_len`
+    random tokens, as long as the next size (guessed to take twice the last) fits in `budget_s` seconds.
+    At batch size 4 it also times the longest chain accepting nothing and everything (synthetic
+    verdicts), for the host time per emitted token. The engine must be idle; it is idle again afterwards."""
     start = time.perf_counter()
     saved = copy.deepcopy(engine.stats)
     spec = engine.spec

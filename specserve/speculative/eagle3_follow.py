@@ -10,7 +10,7 @@ stores the draft KV of the previous pair (the feature kept from the step before,
 computes) and keeps this step's feature for the next step, in row `req_index` of `features`. A sequence
 that follows is one pair behind the target at every step boundary (draft pairs computed =
 num_computed_tokens - 1, the next pair's feature in its row), which the proposer reads off when it needs
-the state (`Eagle3Proposer._state`); `before_step` brings a sequence there before its first graphed plain
+the state (`Eagle3Proposer.state`); `before_step` brings a sequence there before its first graphed plain
 step (after a prefill, a verify or an eager step: the pairs in between are stored eagerly, once).
 """
 from __future__ import annotations
@@ -65,9 +65,9 @@ class DraftFollower:
         """In the graph, after the model: aux [bs, aux_dim] this step's features; ids, positions, slots [bs]
         the step's tokens, their positions and KV slots (the scratch slot on padding rows); tables
         [bs, max_blocks] the block tables; rows [bs] the request indices (the scratch row on padding).
-        Pair p - 1 sits in position p's slot; at position 0 (a one-token
-        prompt) a pair of position 0 lands in slot 0 of its block, which the draft never reads. Five
-        launches: the rows' bookkeeping, fc, the normed inputs, qkv, rotary with the cache writes."""
+        Pair p - 1 sits in position p's slot; at position 0 (a one-token prompt) a pair of position 0
+        lands in slot 0 of its block, which the draft never reads. Five launches: the rows' bookkeeping,
+        fc, the normed inputs, qkv, rotary with the cache writes."""
         p = self.proposer
         previous, prev_positions = triton_ops.follow_rows(aux, self.features, p.all_block_features, rows,
                                                           positions, tables, p.block_size)
