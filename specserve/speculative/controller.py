@@ -14,7 +14,10 @@ Policies:
   ... (`seed_costs`, speculative/calibration.py) and then refreshed from live steps, the latest `window`
   of each per (batch-size bucket, shape), read per batch size (`StepTimes`; a median shrugs off noise).
   Shapes are measured at different times while the machine's speed drifts, so times are kept at a
-  per-bucket speed index that the chosen shape's steps track (`record_step`).
+  per-bucket speed index that plain decoding's steps track (`record_step`): plain is the anchor every
+  draft is priced against, and a draft's own steps refine only its own estimate (a draft dearer live
+  than measured at start-up, on long contexts or beside a server's host work, must not make plain
+  look dearer too).
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
@@ -81,7 +84,11 @@ class Controller:
         self.exploration_budget = exploration_budget
         self.prior_samples = prior_samples
         self.speed_window = speed_window
-        self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by the chosen shape's steps
+        self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by plain's latest steps
+        # per bucket: per draft shape, its latest times taken since plain last ran (`_reanchor`), and
+        # the plain steps since the last draft step
+        self.unanchored: dict[int, dict[Shape, int]] = {}
+        self.plain_since: dict[int, int] = {}
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
         # per draft position: was it accepted, given the ones before it were (the latest verifies)
         self.acceptance_window = acceptance_window
@@ -262,7 +269,7 @@ class Controller:
         return self._base(b, shape, batch_size) + self.token_seconds * tokens
 
     def speed(self, b: int) -> float:
-        """Bucket b's speed index: the median speed its chosen shape's latest steps implied (1 before any)."""
+        """Bucket b's speed index: the median speed plain's latest steps implied (1 before any)."""
         implied = self.implied_speed.get(b)
         return implied.median if implied else 1.0
 
@@ -316,10 +323,11 @@ class Controller:
     def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True,
                     caught_up: int = 0, tokens: Optional[int] = None) -> None:
         """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
-        measured at different times, so times are kept at a per-bucket speed index, which the steps of
-        the chosen shape track: the shape that runs anchors the others, which only probes measure, so
-        a slower machine leaves their comparison as it was, and a probe of plain tells a dearer draft
-        from a slower machine. Every step earns the bucket `exploration_budget` of its time as credit;
+        measured at different times, so times are kept at a per-bucket speed index, which plain's steps
+        track once its times are known: plain anchors the drafts, whose steps (chosen or probed) refine
+        their own estimates at the current index. A machine that slows while a draft runs makes the draft
+        look dearer until plain runs again (chosen or probed) and moves the index: the draft is then
+        judged dear by the slowdown twice until its next probe re-times it. Every step earns the bucket `exploration_budget` of its time as credit;
         a step of another shape than the chosen one is charged what it lost against it. A step that is
         not `typical` of its shape (a draft catching up on `caught_up` pairs after plain steps) is charged
         but not timed; what it cost over an ordinary step prices later probes' catch-ups. `tokens`: what
@@ -337,15 +345,37 @@ class Controller:
             self.step_time.pop((b, shape), None)
         self.records += 1
         self.last_sample[(b, shape)] = self.records
-        if shape == self.current.get(b) and self._samples(b, shape) >= self.window:
-            # the chosen shape's times are known: its steps move the speed index (all shapes alike), not them
-            implied = self.implied_speed.setdefault(b, Recent(self.speed_window))
-            implied.add(seconds / self._cost(b, shape, batch_size, tokens))
+        if shape == PLAIN and self._samples(b, shape) >= self.window:
+            # plain's times are known: its steps move the speed index (all shapes alike), not them
+            before = self.speed(b)
+            self.implied_speed.setdefault(b, Recent(self.speed_window)).add(
+                seconds / self._cost(b, shape, batch_size, tokens))
+            self._reanchor(b, before / self.speed(b))
             return
+        unanchored = self.unanchored.setdefault(b, {})
+        if shape != PLAIN:
+            if self.plain_since.get(b, 0):  # plain ran since the last draft step: earlier draft times are anchored
+                unanchored.clear()
+            unanchored[shape] = min(unanchored.get(shape, 0) + 1, self.window)
+            self.plain_since[b] = 0
         emitted = batch_size * self.expected_tokens(shape) if tokens is None else tokens
         self.step_time.setdefault((b, shape), StepTimes(self.window)).add(
             batch_size, seconds / self.speed(b) - self.token_seconds * emitted)
         self.changes += 1
+
+    def _reanchor(self, b: int, factor: float) -> None:
+        """Plain's latest steps moved bucket b's speed index by 1 / factor: the draft times taken since the
+        plain steps before them were kept at the old index, which the machine had left while they ran (it
+        is only read from plain's steps), so over the first `min_samples` plain steps after them (a probe
+        of plain) they move with it: a draft is not charged a slowdown that plain then shows too."""
+        self.plain_since[b] = self.plain_since.get(b, 0) + 1
+        if factor == 1.0 or self.plain_since[b] > self.min_samples:  # as long as a probe of plain
+            return
+        for shape, n in self.unanchored.get(b, {}).items():
+            times = self.step_time.get((b, shape))
+            if times is not None:
+                times.rescale_last(n, factor)
+                self.changes += 1
 
     def _account(self, b: int, shape: Shape, batch_size: int, seconds: float) -> None:
         """The exploration budget's books: credit earned, and what a step away from the choice lost."""

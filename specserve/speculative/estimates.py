@@ -62,6 +62,15 @@ class StepTimes:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def rescale_last(self, n: int, factor: float) -> None:
+        """Multiply the latest n times by factor."""
+        for i in range(max(0, len(self.samples) - n), len(self.samples)):
+            size, seconds = self.samples[i]
+            self.samples[i] = (size, seconds * factor)
+        self._fit = None
+        self._medians = {}
+        self.version += 1
+
     def line(self, batch_size: int) -> float:
         if self._fit is None:
             self._fit = robust_line(list(self.samples))
