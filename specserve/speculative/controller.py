@@ -326,9 +326,9 @@ class Controller:
         measured at different times, so times are kept at a per-bucket speed index, which plain's steps
         track once its times are known: plain anchors the drafts, whose steps (chosen or probed) refine
         their own estimates at the current index. A machine that slows while a draft runs makes the draft
-        look dearer until plain runs again (chosen or probed) and moves the index: the draft is then
-        judged dear by the slowdown twice until its next probe re-times it. Every step earns the bucket `exploration_budget` of its time as credit;
-        a step of another shape than the chosen one is charged what it lost against it. A step that is
+        look dearer until plain runs again (chosen or probed) and moves the index, and its times with it
+        (`_reanchor`). Every step earns the bucket `exploration_budget` of its time as credit; a step of
+        another shape than the chosen one is charged what it lost against it. A step that is
         not `typical` of its shape (a draft catching up on `caught_up` pairs after plain steps) is charged
         but not timed; what it cost over an ordinary step prices later probes' catch-ups. `tokens`: what
         the step emitted (default: the shape's expected tokens), whose host time is kept apart."""
