@@ -153,9 +153,9 @@ def test_embed_norm_pair_is_two_norms_side_by_side(dtype):
 
 
 @needs_cuda
-def test_follow_rows_moves_features_and_block_ends():
-    """The follower's bookkeeping: previous features out, this step's in, block ends kept, padding rows
-    (the scratch row) touching only scratch."""
+def test_keep_features_moves_rows_and_block_ends():
+    """The follower's bookkeeping: this step's features into the requests' rows, block ends kept, padding
+    rows (the scratch row) touching only scratch."""
     from specserve.layers import triton_ops
 
     torch.manual_seed(0)
@@ -167,9 +167,7 @@ def test_follow_rows_moves_features_and_block_ends():
     positions = torch.tensor([7, 0, 11, 3], device=dev)
     tables = torch.tensor([[2, 6, 1, 0], [4, 0, 0, 0], [7, 7, 7, 7], [1, 1, 1, 1]], dtype=torch.int32, device=dev)
     before = features.clone()
-    previous, prev_positions = triton_ops.follow_rows(aux, features, block_features, rows, positions, tables, page)
-    assert torch.equal(previous[:2], before[[3, 0]])
-    assert prev_positions[:2].tolist() == [6, 0]
+    triton_ops.keep_features(aux, features, block_features, rows, positions, tables, page)
     assert torch.equal(features[[3, 0]], aux[:2]) and torch.equal(features[[1, 2, 4]], before[[1, 2, 4]])
     assert torch.equal(block_features[6], aux[0])  # position 7 ends block 1 of row 0's table: block 6
     assert block_features[:8].abs().sum(-1).nonzero().flatten().tolist() == [6]

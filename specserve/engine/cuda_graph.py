@@ -75,11 +75,12 @@ class GraphRunner:
     def __init__(self, model, block_size: int, max_bs: int, max_blocks: int, tokens_per_seq: list[int],
                  aux_layers: tuple[int, ...], group: int, scratch_slot: int, device: torch.device,
                  follow=None, pad_index: int = 0, max_graph_tokens: int = 2048):
-        """follow: a Follower's `follow` (speculative/proposer.py), run at the end of the plain-decode
-        graphs (one token per sequence) on their auxiliary hidden states, which they then do not output;
-        pad_index: the request index its padding rows get."""
+        """follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
+        run, beside the model on a second stream and after it on their auxiliary hidden states, which they
+        then do not output; pad_index: the request index its padding rows get."""
         self.model, self.block_size, self.aux_layers, self.group = model, block_size, aux_layers, group
         self.follow, self.pad_index = follow, pad_index
+        self.side = torch.cuda.Stream(device) if follow is not None else None
         self.scratch_slot, self.device = scratch_slot, device
         sizes = capture_sizes(max_bs)
         most = max(max_graph_tokens, max_bs)
@@ -113,11 +114,17 @@ class GraphRunner:
 
     def _run(self, bs: int, q: int):
         n = bs * q
+        follows = q == 1 and self.follow is not None
+        if follows:  # the draft's share that needs no output of the model runs beside it
+            main = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                self.follow.store_previous(self.ids[:bs], self.positions[:bs], self.slots[:bs], self.req_indices[:bs])
         hidden, aux = self.model(self.ids[:n], self.positions[:n], self._meta(bs, q), self.aux_layers)
         aux = torch.cat(aux, dim=-1) if aux else None  # [n, aux_dim]
-        if q == 1 and self.follow is not None:
-            self.follow(bs, aux, self.ids[:bs], self.positions[:bs], self.slots[:bs], self.block_tables[:bs],
-                        self.req_indices[:bs])
+        if follows:
+            main.wait_stream(self.side)
+            self.follow.keep(aux, self.positions[:bs], self.block_tables[:bs], self.req_indices[:bs])
             aux = None
         return self.model.compute_logits(hidden).float(), aux
 

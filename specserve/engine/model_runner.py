@@ -119,7 +119,7 @@ class ModelRunner:
         ex = self.config.execution
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
-        follow = self.follower.follow if self.follower is not None and aux_layers else None
+        follow = self.follower if aux_layers else None
         self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
                                   aux_layers, self.group, self.scratch_slot, self.device, follow,
                                   self.config.scheduler.max_num_seqs)

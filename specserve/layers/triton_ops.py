@@ -116,19 +116,16 @@ if triton is not None:
         tl.store(Out + row * stride_o + n + cols, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _follow_rows(Aux, Feat, BFeat, Prev, PrevPos, Rows, Pos, Tables, stride_a, stride_f, stride_b, stride_p,
-                     stride_t, scratch_row, scratch_block, page, max_col, dim, BLOCK: tl.constexpr):
+    def _keep_features(Aux, Feat, BFeat, Rows, Pos, Tables, stride_a, stride_f, stride_b, stride_t, scratch_row,
+                       scratch_block, page, max_col, dim, BLOCK: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         row = tl.load(Rows + b)
         pos = tl.load(Pos + b)
-        if chunk == 0:
-            tl.store(PrevPos + b, tl.maximum(pos - 1, 0))
         block = tl.load(Tables + b * stride_t + tl.minimum(pos // page, max_col)).to(tl.int64)
         target = tl.where((row != scratch_row) & ((pos + 1) % page == 0), block, scratch_block)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = cols < dim
-        tl.store(Prev + b * stride_p + cols, tl.load(Feat + row * stride_f + cols, mask=mask), mask=mask)
         x = tl.load(Aux + b * stride_a + cols, mask=mask)
         tl.store(Feat + row * stride_f + cols, x, mask=mask)
         tl.store(BFeat + target * stride_b + cols, x, mask=mask)
@@ -147,23 +144,19 @@ def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
     return out
 
 
-def follow_rows(aux: torch.Tensor, features: torch.Tensor, block_features: torch.Tensor, rows: torch.Tensor,
-                positions: torch.Tensor, tables: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row bookkeeping of EAGLE-3's draft following plain decoding (speculative/eagle3_follow.py), one
-    launch. Per batch row b: returns previous[b] = features[rows[b]] and prev_positions[b] =
-    max(positions[b] - 1, 0), then writes features[rows[b]] = aux[b] and, at a block's last position,
+def keep_features(aux: torch.Tensor, features: torch.Tensor, block_features: torch.Tensor, rows: torch.Tensor,
+                  positions: torch.Tensor, tables: torch.Tensor, page: int) -> None:
+    """What EAGLE-3's draft following plain decoding keeps of a step (speculative/eagle3_follow.py), one
+    launch. Per batch row b: features[rows[b]] = aux[b] and, at a block's last position,
     block_features[block] = aux[b]. The last row of features and of block_features is scratch: rows[b]
     equal to it marks a padding row. aux [bs, dim]; features [seqs + 1, dim]; block_features
     [blocks + 1, dim]; rows, positions [bs]; tables [bs, max_blocks]."""
     bs, dim = aux.shape
-    previous = torch.empty_like(aux)
-    prev_positions = torch.empty_like(positions)
     block = 1024
-    _follow_rows[(bs, triton.cdiv(dim, block))](
-        aux, features, block_features, previous, prev_positions, rows, positions, tables, aux.stride(0),
-        features.stride(0), block_features.stride(0), previous.stride(0), tables.stride(0), features.shape[0] - 1,
-        block_features.shape[0] - 1, page, tables.shape[1] - 1, dim, BLOCK=block, num_warps=4)
-    return previous, prev_positions
+    _keep_features[(bs, triton.cdiv(dim, block))](
+        aux, features, block_features, rows, positions, tables, aux.stride(0), features.stride(0),
+        block_features.stride(0), tables.stride(0), features.shape[0] - 1, block_features.shape[0] - 1, page,
+        tables.shape[1] - 1, dim, BLOCK=block, num_warps=4)
 
 
 def rotary_fits(q: torch.Tensor) -> bool:

@@ -5,9 +5,11 @@ position, the token after it) completes only at the next step, once that token i
 these pairs cost the engine a copy of the auxiliary hidden states and host bookkeeping per step, and the
 first speculative step after a plain phase a catch-up over every position decoded without the draft.
 
-Instead, the target's plain-decode graphs (one token per sequence) end with `follow`: per sequence it
-stores the draft KV of the previous pair (the feature kept from the step before, the token this step
-computes) and keeps this step's feature for the next step, in row `req_index` of `features`. A sequence
+Instead, the target's plain-decode graphs (one token per sequence) run the draft's share themselves:
+beside the model, on a second stream, `store_previous` stores per sequence the draft KV of the previous
+pair (the feature kept from the step before, the token this step computes); after the model, `keep`
+keeps this step's feature for the next step, in row `req_index` of `features`. The draft's kernels thus
+overlap the target's (small batches leave most of the GPU idle), and the step ends one launch later. A sequence
 that follows is one pair behind the target at every step boundary (draft pairs computed =
 num_computed_tokens - 1, the next pair's feature in its row), which the proposer reads off when it needs
 the state (`Eagle3Proposer.state`); `before_step` brings a sequence there before its first graphed plain
@@ -60,15 +62,20 @@ class DraftFollower:
             state.follows = True
         gather.into(self.features)
 
-    def follow(self, bs: int, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               tables: torch.Tensor, rows: torch.Tensor) -> None:
-        """In the graph, after the model: aux [bs, aux_dim] this step's features; ids, positions, slots [bs]
-        the step's tokens, their positions and KV slots (the scratch slot on padding rows); tables
-        [bs, max_blocks] the block tables; rows [bs] the request indices (the scratch row on padding).
-        Pair p - 1 sits in position p's slot; at position 0 (a one-token prompt) a pair of position 0
-        lands in slot 0 of its block, which the draft never reads. Five launches: the rows' bookkeeping,
-        fc, the normed inputs, qkv, rotary with the cache writes."""
+    def store_previous(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        """In the graph, beside the model (it needs none of its outputs): ids, positions, slots [bs] the
+        step's tokens, their positions and KV slots (the scratch slot on padding rows), rows [bs] the
+        request indices (the scratch row on padding). Stores the draft KV of each row's previous pair: the
+        feature kept in its row at the step before, the token this step computes. Pair p - 1 sits in
+        position p's slot; at position 0 (a one-token prompt) a pair of position 0 lands in slot 0 of its
+        block, which the draft never reads."""
+        previous = self.features.index_select(0, rows)  # [bs, aux_dim]
+        self.proposer.draft.store_kv(ids, previous, (positions - 1).clamp(min=0), slots)
+
+    def keep(self, aux: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """In the graph, after the model and `store_previous`: aux [bs, aux_dim] this step's features into
+        the rows (and the block features at a block's last position), for the next step; tables
+        [bs, max_blocks] the block tables."""
         p = self.proposer
-        previous, prev_positions = triton_ops.follow_rows(aux, self.features, p.all_block_features, rows,
-                                                          positions, tables, p.block_size)
-        p.draft.store_kv(ids, previous, prev_positions, slots)
+        triton_ops.keep_features(aux, self.features, p.all_block_features, rows, positions, tables, p.block_size)

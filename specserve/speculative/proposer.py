@@ -12,16 +12,20 @@ from .tree import DraftTree
 
 
 class Follower(Protocol):
-    """Runs inside the target's plain-decode CUDA graphs (one token per sequence), after the model."""
+    """Runs inside the target's plain-decode CUDA graphs (one token per sequence): `store_previous` beside
+    the model (on a second stream: it may not read the step's outputs), `keep` after it."""
 
     def before_step(self, seqs: list[Sequence]) -> None:
         """Host, before a plain-decode graph replays for seqs."""
 
-    def follow(self, bs: int, aux: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               tables: torch.Tensor, rows: torch.Tensor) -> None:
-        """Captured: aux [bs, aux_dim] the step's auxiliary hidden states; ids, positions, slots [bs] its
-        tokens, their positions and KV slots (the scratch slot on padding rows); tables [bs, max_blocks];
-        rows [bs] the request indices (max_num_seqs on padding rows)."""
+    def store_previous(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        """Captured: ids, positions, slots [bs] the step's tokens, their positions and KV slots (the scratch
+        slot on padding rows); rows [bs] the request indices (max_num_seqs on padding rows)."""
+
+    def keep(self, aux: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
+        """Captured, after the model and store_previous: aux [bs, aux_dim] the step's auxiliary hidden
+        states; tables [bs, max_blocks]."""
 
 
 class Proposer(ABC):
