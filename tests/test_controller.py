@@ -206,6 +206,16 @@ def test_plain_is_priced_at_the_batch_size_within_a_bucket():
     assert settled(feed(c, 120, lambda s: 0.120 * (1 + 0.62 * s.k), accept=0.9)) != PLAIN
 
 
+def test_start_up_times_price_batch_sizes_between_the_measured_ones():
+    """Start-up measures batch sizes 1, 2, 4, ..., 128; a batch of 100 (bucket 65..128) is priced on the
+    line through 64 and 128, not as 128 (which made plain look dearer at 100 than it is, and a chain timed
+    live at 70 cheaper: in the 8B synthetic sweep adaptive chained at C=100, 0.80x plain)."""
+    cost = lambda s, n: 0.002 + 0.0001 * n * (1 + 0.5 * s.k)  # noqa: E731
+    c = calibrated(cost)
+    for shape in SHAPES:
+        assert c.seconds(128, shape, 100) == pytest.approx(cost(shape, 100), rel=0.02)
+
+
 def test_a_machine_that_slows_while_a_draft_runs_gets_the_draft_back_within_bounded_steps():
     """Chain 3 wins (1.6x the time of a plain step for 3.4 tokens); then the machine slows 3x, for every
     shape, while the chain runs and plain is not timed. The chain's slower steps look like a dearer

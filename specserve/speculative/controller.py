@@ -398,10 +398,13 @@ class Controller:
         self.token_seconds = token_seconds
         self.changes += 1
         for (n, shape), seconds in times.items():
-            window = self.step_time.setdefault((bucket(n), shape), StepTimes(self.window))
             emitted = (tokens or {}).get((n, shape)) or [n] * len(seconds)
-            for t, e in zip(seconds, emitted):
-                window.add(n, t - token_seconds * e)
+            # a bucket's own batch size, and the lower edge of the next one (64 for 65..128): plain's line
+            # there then has a slope, and a batch of 70 is not priced as one of 128
+            for b in {bucket(n), bucket(n + 1)}:
+                window = self.step_time.setdefault((b, shape), StepTimes(self.window))
+                for t, e in zip(seconds, emitted):
+                    window.add(n, t - token_seconds * e)
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         self.changes += 1
