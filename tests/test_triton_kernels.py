@@ -171,3 +171,45 @@ def test_keep_features_moves_rows_and_block_ends():
     assert torch.equal(features[[3, 0]], aux[:2]) and torch.equal(features[[1, 2, 4]], before[[1, 2, 4]])
     assert torch.equal(block_features[6], aux[0])  # position 7 ends block 1 of row 0's table: block 6
     assert block_features[:8].abs().sum(-1).nonzero().flatten().tolist() == [6]
+
+
+@needs_cuda
+def test_gumbel_argmax_equals_the_torch_path(monkeypatch):
+    """The fused seeded sample against argmax(filtered.double() + gumbel_noise): the same token in every row,
+    -inf filtered rows, large ranges, ties (the lowest index), NaN (the first), extreme int64 seeds."""
+    from specserve import SamplingParams
+    from specserve.layers import triton_ops
+    from specserve.layers.sampler import filtered_logits, gumbel_noise, seed_tensor, seeded_tokens
+
+    dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)  # inputs drawn on the CPU
+    for vocab in (4096, 128256):
+        for n in (1, 7, 64, 300):
+            x = torch.randn(n, vocab, generator=g).to(dev)  # [n, V]
+            x *= torch.logspace(-2, 3, n, device=dev).unsqueeze(1)  # temperatures 100 .. 0.001
+            kth = x.topk(min(50, vocab), -1).values[:, -1:]  # [n, 1]
+            x[::3] = x[::3].masked_fill(x[::3] < kth[::3], float("-inf"))  # top-k filtered rows
+            seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (n,), generator=g).to(dev)  # [n]
+            positions = torch.randint(0, 10 ** 6 + 1, (n,), generator=g).to(dev)  # [n]
+            seeds[:4] = torch.tensor([-1, -2 ** 63, 2 ** 63 - 1, 0][:n], device=dev)
+            if n >= 7:
+                x[1] = float("-inf")
+                x[1, vocab - 3] = 0.0  # one finite token
+                x[2, [vocab - 1, 5, vocab // 2]] = 1e30  # ties after the noise: the lowest index wins
+                x[3] = float("-inf")  # nothing finite: token 0, as torch.argmax
+                x[4, [vocab - 2, vocab // 3]] = float("nan")  # the first NaN, as torch.argmax
+            got = triton_ops.gumbel_argmax(x, seeds, positions)
+            want = (x.double() + gumbel_noise(seeds, positions, vocab)).argmax(-1)
+            assert got.dtype == torch.long and torch.equal(got, want), (n, vocab, (got != want).nonzero().flatten())
+            if n >= 7:
+                assert got[1:5].tolist() == [vocab - 3, 5, 0, vocab // 3]
+
+    logits = torch.randn(6, 128256, generator=g).to(dev) * 4
+    params = [SamplingParams(seed=s, temperature=t, top_k=k, top_p=p) for s, t, k, p in
+              [(3, 1.0, 0, 1.0), (-5, 0.7, 50, 1.0), (1 << 70, 1.3, 0, 0.9), (42, 1.0, 0, 1.0), (42, 0.5, 20, 0.8),
+               ((1 << 64) - 1, 2.0, 0, 1.0)]]
+    positions = torch.tensor([0, 17, 10 ** 6, 3, 4, 123456], device=dev)
+    want = (filtered_logits(logits, params).double() + gumbel_noise(seed_tensor(params, dev), positions,
+                                                                    128256)).argmax(-1)
+    kernel, calls = triton_ops.gumbel_argmax, []
+    monkeypatch.setattr(triton_ops, "gumbel_argmax", lambda *args: calls.append(1) or kernel(*args))
+    assert torch.equal(seeded_tokens(logits, params, positions), want) and calls == [1]  # the kernel, on CUDA

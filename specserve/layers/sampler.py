@@ -17,6 +17,7 @@ import torch
 
 from ..device import to_device
 from ..sampling_params import SamplingParams
+from . import triton_ops
 
 # splitmix64 (Steele, Lea, Flood 2014) constants as signed int64: torch's int64 arithmetic wraps mod 2^64
 _MASK64 = (1 << 64) - 1
@@ -68,10 +69,13 @@ def seeded_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positi
     """The seeded sample of each row [n]: argmax(filtered_logits + gumbel_noise(seed, position)).
 
     logits [n, vocab] fp32, params [n] (each with a seed), positions [n] long: the absolute sequence
-    index of the token each row draws."""
-    filtered = filtered_logits(logits, params).double()  # [n, V], -inf outside the filters
-    noise = gumbel_noise(seed_tensor(params, logits.device), positions, logits.shape[-1])
-    return (filtered + noise).argmax(-1)
+    index of the token each row draws. On CUDA one fused kernel computes the same (`triton_ops.gumbel_argmax`)."""
+    filtered = filtered_logits(logits, params)  # [n, V] fp32, -inf outside the filters
+    seeds = seed_tensor(params, logits.device)  # [n]
+    if triton_ops.triton is not None and filtered.is_cuda:  # not use_triton: sampling runs with grad enabled
+        return triton_ops.gumbel_argmax(filtered, seeds, positions)
+    noise = gumbel_noise(seeds, positions, logits.shape[-1])  # [n, V] float64
+    return (filtered.double() + noise).argmax(-1)
 
 
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

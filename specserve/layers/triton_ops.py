@@ -2,7 +2,7 @@
 
 A decode step at small batch is a few hundred kernel launches around the weight reads; each of these
 replaces 3-15 PyTorch kernels per layer. Each computes what its PyTorch counterpart in norm.py,
-rotary.py and llama.py computes, with the same roundings to the model dtype (fp32 math in between).
+rotary.py, llama.py and sampler.py computes, with the same roundings to the model dtype (fp32 math in between).
 """
 from __future__ import annotations
 
@@ -129,6 +129,57 @@ if triton is not None:
         x = tl.load(Aux + b * stride_a + cols, mask=mask)
         tl.store(Feat + row * stride_f + cols, x, mask=mask)
         tl.store(BFeat + target * stride_b + cols, x, mask=mask)
+
+
+if triton is not None:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _splitmix64(x):
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @triton.jit
+    def _gumbel_argmax(X, Seeds, Pos, Val, Idx, stride_x, stride_v, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        seed = tl.load(Seeds + row).to(tl.uint64, bitcast=True)
+        pos = tl.load(Pos + row).to(tl.uint64, bitcast=True)
+        state = _splitmix64(_splitmix64(seed) + pos)
+        cols = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < vocab
+        bits = _splitmix64(state + (cols + 1).to(tl.uint64) * 0x9E3779B97F4A7C15)
+        u = ((bits >> 12).to(tl.float64) + 0.5) * 2.220446049250313e-16  # 2^-52
+        noise = -libdevice.log(-libdevice.log(u))
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=float("-inf")).to(tl.float64)
+        v = tl.where(mask, x + noise, float("-inf"))
+        nan = v != v
+        top = tl.max(tl.where(nan, float("-inf"), v), 0)
+        first_top = tl.min(tl.where(v == top, cols, vocab), 0)
+        first_nan = tl.min(tl.where(nan, cols, vocab), 0)
+        has_nan = first_nan < vocab  # torch.argmax's rule: a NaN is the maximum
+        tl.store(Val + row * stride_v + chunk, tl.where(has_nan, float("nan"), top))
+        tl.store(Idx + row * stride_v + chunk, tl.where(has_nan, first_nan, first_top).to(tl.int64))
+
+
+def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[n] int64: argmax_x(float64(filtered[i, x]) + G(seeds[i], positions[i], x)), what
+    `sampler.seeded_tokens` computes with `sampler.gumbel_noise` (same noise bits, float64 logs, the lowest
+    index on ties, the first NaN if any), without the [n, vocab] int64 and float64 intermediates.
+    filtered [n, vocab] fp32 (-inf outside the filters), seeds [n] int64, positions [n] int64.
+    One program per (row, block of vocabulary) takes its block's best; a torch argmax picks among blocks."""
+    n, vocab = filtered.shape
+    filtered = filtered.contiguous()
+    block = 2048
+    chunks = triton.cdiv(vocab, block)
+    vals = torch.empty(n, chunks, dtype=torch.float64, device=filtered.device)  # [n, chunks]
+    idx = torch.empty(n, chunks, dtype=torch.long, device=filtered.device)  # [n, chunks]
+    if n:  # fp fusion on, as nvcc's default --fmad=true compiles torch's log
+        _gumbel_argmax[(n, chunks)](filtered, seeds.long().contiguous(), positions.long().contiguous(), vals, idx,
+                                    filtered.stride(0), vals.stride(0), vocab, BLOCK=block, num_warps=8,
+                                    enable_fp_fusion=True)
+    return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 
 def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor, w_embed: torch.Tensor,
