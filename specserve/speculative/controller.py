@@ -347,13 +347,19 @@ class Controller:
         self.last_sample[(b, shape)] = self.records
         if shape == PLAIN and self._samples(b, shape) >= self.window:
             # plain's times are known: its steps move the speed index (all shapes alike), not them
-            before = self.speed(b)
-            self.implied_speed.setdefault(b, Recent(self.speed_window)).add(
-                seconds / self._cost(b, shape, batch_size, tokens))
-            self._reanchor(b, before / self.speed(b))
+            implied = self.implied_speed.get(b)
+            if implied is None:
+                implied = self.implied_speed[b] = Recent(self.speed_window)
+            before = implied.median if len(implied) else 1.0
+            implied.add(seconds / self._cost(b, shape, batch_size, tokens))
+            since = self.plain_since[b] = self.plain_since.get(b, 0) + 1
+            if since <= self.min_samples and self.unanchored.get(b):  # as long as a probe of plain
+                self._reanchor(b, before / implied.median)
             return
-        unanchored = self.unanchored.setdefault(b, {})
-        if shape != PLAIN:
+        if shape == PLAIN:
+            self.plain_since[b] = self.plain_since.get(b, 0) + 1
+        else:
+            unanchored = self.unanchored.setdefault(b, {})
             if self.plain_since.get(b, 0):  # plain ran since the last draft step: earlier draft times are anchored
                 unanchored.clear()
             unanchored[shape] = min(unanchored.get(shape, 0) + 1, self.window)
@@ -368,8 +374,7 @@ class Controller:
         plain steps before them were kept at the old index, which the machine had left while they ran (it
         is only read from plain's steps), so over the first `min_samples` plain steps after them (a probe
         of plain) they move with it: a draft is not charged a slowdown that plain then shows too."""
-        self.plain_since[b] = self.plain_since.get(b, 0) + 1
-        if factor == 1.0 or self.plain_since[b] > self.min_samples:  # as long as a probe of plain
+        if factor == 1.0:
             return
         for shape, n in self.unanchored.get(b, {}).items():
             times = self.step_time.get((b, shape))
