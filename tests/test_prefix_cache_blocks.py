@@ -5,7 +5,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.engine.block_manager import BlockManager
-from specserve.engine.kv_host import HostPool, HostTier
+from specserve.engine.kv_host import HostPool
 from specserve.engine.sequence import Sequence
 
 
@@ -103,7 +103,7 @@ def test_a_colliding_hash_is_a_miss_never_a_wrong_hit():
 
 def host_manager(num_blocks: int, host_slots: int, write_through: bool):
     plane = torch.zeros(num_blocks, 3)  # stands for the KV: [blocks, ...]
-    return BlockManager(num_blocks, 2, True, HostTier(HostPool([plane], host_slots), write_through)), plane
+    return BlockManager(num_blocks, 2, True, HostPool([plane], host_slots), write_through), plane
 
 
 def fill(plane: torch.Tensor, s: Sequence, value: float) -> None:

@@ -33,7 +33,11 @@ class OutOfBlocks(RuntimeError):
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host: Optional[HostTier] = None):
+                 host_pool: Optional[HostPool] = None, write_through: bool = False,
+                 draft_coverage: Optional[Callable[[Sequence], int]] = None):
+        """host_pool: copies of evicted (or, write_through, of every) cached block, in a host tier this
+        manager keeps; draft_coverage(seq): the leading tokens of seq whose draft-side cache state is final
+        (the proposer's `cached_tokens`; default: all computed ones)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enabled = enable_prefix_caching
@@ -42,12 +46,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, oldest first
         self.block_node: list[Optional[CachedBlock]] = [None] * num_blocks
         self.index = PrefixIndex()
-        self.host = host
-        if host is not None:
-            host.drop = self._drop
+        self.host = HostTier(host_pool, write_through, self._drop) if host_pool is not None else None
         self.stats = PrefixCacheStats()
-        # leading tokens of seq whose draft-side cache state is final (the proposer's; no proposer: all)
-        self.draft_coverage: Callable[[Sequence], int] = lambda seq: seq.num_computed_tokens
+        self.draft_coverage: Callable[[Sequence], int] = draft_coverage or (lambda seq: seq.num_computed_tokens)
 
     @property
     def num_free_blocks(self) -> int:
@@ -284,8 +285,5 @@ def make_block_manager(cache: CacheConfig, runner, proposer) -> BlockManager:
     if proposer is not None:
         planes += proposer.cache_planes()
     slots = host_pool_slots(cache, planes, nb)
-    host = HostTier(HostPool(planes, slots), cache.kv_host_policy == "write_through") if slots > 0 else None
-    manager = BlockManager(nb, bs, cache.enable_prefix_caching, host)
-    if proposer is not None:
-        manager.draft_coverage = proposer.cached_tokens
-    return manager
+    return BlockManager(nb, bs, cache.enable_prefix_caching, HostPool(planes, slots) if slots > 0 else None,
+                        cache.kv_host_policy == "write_through", proposer.cached_tokens if proposer else None)

@@ -108,9 +108,8 @@ class LLMEngine:
                 if config.speculative.enabled else None
             self.blocks = make_block_manager(config.cache, self.runner, self.spec.proposer if self.spec else None)
             shapes = self.spec.shapes if self.spec is not None else [PLAIN]
-            if self.spec is not None:
-                self.runner.follower = self.spec.make_follower()
-            self.runner.capture_graphs(self.aux_layers, sorted({s.num_nodes for s in shapes}))
+            self.runner.capture_graphs(self.aux_layers, sorted({s.num_nodes for s in shapes}),
+                                       self.spec.make_follower() if self.spec is not None else None)
             if self.spec is not None and self.runner.graphs is not None:
                 self.spec.capture_graphs(config.execution.cuda_graph_max_bs)
             self._init_state(config, spec_stats)
@@ -288,8 +287,7 @@ class LLMEngine:
         """Read an in-flight step's tokens and apply them: stop checks, outputs, releases."""
         if self.inflight is flight:
             self.inflight = None
-        if self.runner.pending_tokens is flight.tokens:
-            self.runner.pending_tokens = None
+        self.runner.release(flight.tokens)
         outputs, finished = [], []
         for seq, token, logprob in zip(flight.seqs, flight.host_tokens(), flight.logprobs):
             seq.num_pending -= 1

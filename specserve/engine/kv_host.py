@@ -94,11 +94,11 @@ class HostTier:
     from the prefix index through `drop` (the block manager's).
     """
 
-    def __init__(self, pool: HostPool, write_through: bool):
+    def __init__(self, pool: HostPool, write_through: bool, drop: Callable[[CachedBlock], None]):
         self.pool = pool
         self.write_through = write_through  # copy blocks when they are cached, not when they are evicted
         self.lru: OrderedDict[CachedBlock, None] = OrderedDict()
-        self.drop: Callable[[CachedBlock], None] = lambda node: None
+        self.drop = drop
 
     @property
     def num_slots(self) -> int:

@@ -99,9 +99,11 @@ class ModelRunner:
         return max(1, min(int(budget // per_block), useful))
 
     # ---- CUDA graphs -------------------------------------------------------------------------
-    def capture_graphs(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
+    def capture_graphs(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int], follower=None) -> None:
         """Capture decode/verify graphs on every rank, in step (CUDA with the triton backend, unless
-        enforce_eager); under tensor parallelism the graphs hold the ranks' collectives."""
+        enforce_eager); under tensor parallelism the graphs hold the ranks' collectives. follower: what
+        the plain-decode graphs run for the proposer (a Follower, speculative/proposer.py; rank 0's)."""
+        self.follower = follower
         ex = self.config.execution
         if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton":
             return
@@ -209,6 +211,11 @@ class ModelRunner:
         if sampled and self.ranks is not None and self.ranks.rank != 0:
             self.pending_tokens = self.ranks.tp.broadcast(torch.empty(sampled, dtype=torch.long, device=self.device))
         return out
+
+    def release(self, tokens: torch.Tensor) -> None:
+        """These tokens were read on the host: the next step's inputs no longer refer to them."""
+        if self.pending_tokens is tokens:
+            self.pending_tokens = None
 
     def publish(self, tokens: Optional[torch.Tensor]) -> None:
         """Rank 0: tokens [rows] sampled on the device from the latest forward(publish=True) become the
