@@ -10,8 +10,9 @@ target was not trained on (its corpus.json lists them; the shipped pair's natura
 pair's tokenizer rarely makes there, so drafts accept less.
 
 `--configs` picks among plain, chain, tree, threshold, adaptive, k0 (speculation on but never drafting:
-what a plain step of a speculative engine costs) and, to see what the overlap scheduler buys, plain-sync
-and adaptive-sync (the same with `disable_overlap_schedule`).
+what a plain step of a speculative engine costs), plain-b (a second plain engine: how far apart two
+identical configurations measure on this machine, the noise floor of every ratio) and, to see what the
+overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
 
 For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
 have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
@@ -43,6 +44,7 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
     return {
         "plain": dict(speculative_algorithm="none"),
+        "plain-b": dict(speculative_algorithm="none"),  # a second plain engine: the noise floor of the ratios
         "chain": dict(spec, speculative_num_steps=3, speculative_policy="always"),
         "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                      speculative_policy="always"),

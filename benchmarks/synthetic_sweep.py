@@ -114,14 +114,15 @@ def sweep(args) -> dict:
     configs = configurations(args.draft)
     for name in args.configs.split(","):
         shape = "tree" if configs[name].get("speculative_eagle_topk", 1) > 1 else "chain"
-        synthetic = {} if name == "plain" else {"speculative_synthetic_acceptance_rates": PROFILES["shipped"][shape]}
+        plain = name.startswith("plain")
+        synthetic = {} if plain else {"speculative_synthetic_acceptance_rates": PROFILES["shipped"][shape]}
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig.from_options(
             model=args.model, load_format="dummy", device=args.device, max_num_seqs=max(levels),
             max_model_len=args.prompt_len_max + args.max_tokens + 16, kv_cache_gb=args.kv_cache_gb,
             kv_host_ratio=0.0, enable_prefix_caching=args.prefix_caching, **configs[name], **synthetic))
         startup = time.perf_counter() - t0
-        runs = [(p, n) for p in (["none"] if name == "plain" else args.profiles.split(","))
+        runs = [(p, n) for p in (["none"] if plain else args.profiles.split(","))
                 for n in range(1, args.passes + 1)]
         for profile, n in runs:
             key = f"{name}/{profile}" + (f"@pass{n}" if n > 1 else "")
