@@ -1,13 +1,13 @@
 """Where a sweep level's time goes: decode-only steps against steps with a prefill, per configuration.
 
     python benchmarks/level_split.py [--device cuda] [--levels 5,10,30] [--requests 30] [--max-tokens 100]
-        [--rounds 2] [--configs plain,chain,chain_pp,adaptive,adaptive_pp] [--dataset rich.jsonl --fresh]
+        [--rounds 2] [--configs plain,chain,chain_pp,adaptive] [--dataset rich.jsonl --fresh]
 
 The shipped pair, held-out standard-library prompts (128 tokens) or a JSONL file of {"prompt": ...} lines
 (`benchmarks/package_prompts.py`; `--fresh`: each request a prompt not used before, as the server bench's
 `--fresh-prompts`), closed-loop levels of `--requests` requests, rounds interleaved between configurations.
-Per configuration (plain, chain-3, adaptive, k0 = speculation on but never drafting, and chain-3 /
-adaptive with every step that admits or continues a prefill decoding plain: `_pp`) the throughput, the
+Per configuration (plain, chain-3, adaptive, k0 = speculation on but never drafting, and chain-3 with
+every step that admits or continues a prefill decoding plain, as adaptive does: `chain_pp`) the throughput, the
 count and wall time of decode-only steps and of steps with a prefill, and the accepted drafts per verify.
 """
 from __future__ import annotations
@@ -35,11 +35,8 @@ def build(name: str, device: str, max_seqs: int) -> LLMEngine:
     if name.endswith("_pp"):  # plain decoding in every step that carries a prefill
         choose = engine.spec.choose
 
-        def plain_with_prefills(batch_size: int) -> object:
-            shape = choose(batch_size)
-            sched = engine.scheduler
-            busy = sched.waiting or any(s.num_uncomputed_tokens > 1 for s in sched.running)
-            return PLAIN if busy else shape
+        def plain_with_prefills(batch_size: int, prefill: bool = False) -> object:
+            return PLAIN if prefill else choose(batch_size, prefill)
         engine.spec.choose = plain_with_prefills
     return engine
 
@@ -90,7 +87,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=30)
     ap.add_argument("--max-tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--configs", default="plain,chain,chain_pp,adaptive,adaptive_pp")
+    ap.add_argument("--configs", default="plain,chain,chain_pp,adaptive")
     ap.add_argument("--dataset", default=None, help="a JSONL file of {\"prompt\": ...} lines")
     ap.add_argument("--fresh", action="store_true", help="never hand out a prompt twice")
     ap.add_argument("--out", default=None)

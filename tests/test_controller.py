@@ -206,6 +206,17 @@ def test_plain_is_priced_at_the_batch_size_within_a_bucket():
     assert settled(feed(c, 120, lambda s: 0.120 * (1 + 0.62 * s.k), accept=0.9)) != PLAIN
 
 
+def test_steps_that_compute_prompt_tokens_decode_plain_under_the_adaptive_policy():
+    """A step that also computes prompt tokens decodes plain beside them (adaptive), whatever a decode-only
+    step would choose; the always policy speculates in every step, as asked."""
+    cheap = lambda s, n=None: 0.010 * (1 + 0.05 * s.k)  # noqa: E731
+    c = calibrated(cheap)
+    c.pin_acceptance([0.8])
+    assert c.choose(4) == SHAPES[-1]
+    assert c.choose(4, prefill=True) == PLAIN
+    assert Controller("always", SHAPES).choose(4, prefill=True) == SHAPES[-1]
+
+
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():
     """Start-up measures batch sizes 1, 2, 4, ..., 128; a batch of 100 (bucket 65..128) is priced on the
     line through 64 and 128, not as 128 (which made plain look dearer at 100 than it is, and a chain timed

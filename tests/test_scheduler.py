@@ -74,3 +74,22 @@ def test_the_latest_admitted_is_preempted_when_the_pool_runs_out():
         victim = next(q for q in s.waiting if q.request_id == name)
         assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
         assert victim.block_table == []
+
+
+def test_prefill_pending_names_the_steps_that_will_compute_prompt_tokens():
+    """What the adaptive controller decodes plain beside: an admissible waiting request, or a running one
+    whose prompt is still being chunked in."""
+    s = make(max_num_batched_tokens=8, max_num_seqs=2)
+    assert not s.prefill_pending()
+    s.add(request("a", 3))
+    assert s.prefill_pending()  # waiting, and room to admit it
+    run(s.schedule())
+    assert not s.prefill_pending()  # a decodes
+    s.add(request("b", 20))
+    assert s.prefill_pending()
+    run(s.schedule())  # b admitted, 7 of its 20 prompt tokens computed
+    assert s.prefill_pending()  # b's prompt continues
+    while any(seq.num_uncomputed_tokens > 1 for seq in s.running):
+        run(s.schedule())
+    s.add(request("c", 3))
+    assert not s.prefill_pending()  # c waits, but two requests already run: it cannot be admitted

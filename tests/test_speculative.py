@@ -167,7 +167,7 @@ def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
     controller.probe_every, controller.exploration_budget = 3, 1.0  # switch often: probes cost nothing
     seen = set()
     original = controller.choose
-    controller.choose = lambda b: _record(seen, original(b))
+    controller.choose = lambda b, prefill=False: _record(seen, original(b, prefill))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert len({s.k for s in seen}) >= 2, "the test must see k change"
@@ -232,7 +232,7 @@ def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_o
         spec, seen, steps = llm.engine.spec, [], [0]
         chain = next(s for s in spec.shapes if s.steps == 3)
 
-        def choose(batch_size, steps=steps, chain=chain):
+        def choose(batch_size, prefill=False, steps=steps, chain=chain):
             steps[0] += 1
             return chain if steps[0] % 11 in (0, 4, 5) else PLAIN  # plain runs of 1, 3 and 5 steps
 
@@ -249,3 +249,30 @@ def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_o
             assert llm.engine.runner.graphs.follow is not None
     assert len(trees["default"]) > 10
     assert trees["default"] == trees["eager"]
+
+
+def test_adaptive_decodes_plain_in_steps_that_compute_prompt_tokens(pair, plain_outputs):
+    """Requests of different lengths through two slots: later prompts are admitted while others decode.
+    Every step that computes prompt tokens is chosen with prefill=True and decodes plain (k = 0: also one
+    whose drained predecessor freed the slot a prompt then takes, chosen again); the
+    decode-only steps between them are the controller's to decide; the text is plain decoding's."""
+    target, draft = pair
+    prompts, want = plain_outputs
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=3,
+                   speculative_policy="adaptive", speculative_calibration_s=0, max_num_seqs=2)
+    engine, flags = llm.engine, []
+    choose = engine.spec.controller.choose
+    engine.spec.controller.choose = lambda b, prefill=False: flags.append(prefill) or choose(b, prefill)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    prefills = decodes = 0
+    while engine.has_unfinished():
+        before, chosen = engine.stats.num_prompt_tokens, len(flags)
+        engine.step()
+        if engine.stats.num_prompt_tokens > before:  # the step's last choice is the one it ran
+            prefills += 1
+            assert flags[-1] and engine.stats.spec.last_k == 0
+        elif len(flags) > chosen:
+            decodes += not flags[-1]
+    assert prefills >= 2 and decodes > 0
+    assert [s.output_token_ids for s in seqs] == want

@@ -36,6 +36,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefill_pending(self) -> bool:
+        """Will the next step compute prompt tokens: a waiting request that may be admitted, or a running
+        one with more than its next token to compute (a chunked prompt, a preempted request's recompute)?"""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return True
+        return any(seq.num_uncomputed_tokens > 1 for seq in self.running)
+
     def schedule(self, decode_shape: Callable[[Sequence], tuple[int, int]] = lambda seq: (1, 1)
                  ) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens

@@ -80,8 +80,9 @@ class SpecDecoder:
         c = self.calibration
         self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds)
 
-    def choose(self, batch_size: int) -> Shape:
-        return self.forced if self.forced is not None else self.controller.choose(batch_size)
+    def choose(self, batch_size: int, prefill: bool = False) -> Shape:
+        """The next step's shape (prefill: it will also compute prompt tokens; see `Controller.choose`)."""
+        return self.forced if self.forced is not None else self.controller.choose(batch_size, prefill)
 
     def num_slots(self, shape: Shape) -> int:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
