@@ -31,17 +31,21 @@ def build(spec: bool) -> LLMEngine:
     return LLMEngine(EngineConfig.from_options(**opts))
 
 
-def steady_step_seconds(engine: LLMEngine, steps: int, concurrency: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True)
+def steady_step_seconds(engine: LLMEngine, steps: int, concurrency: int, seed=None) -> float:
+    """Wall seconds per step of `concurrency` requests decoding steadily: greedy, or with `seed` given,
+    at temperature 1 with seed(i) for request i (None: unseeded)."""
     for i in range(concurrency):
-        engine.add_request([5 + i, 6, 7, 8, 9, 10, 11, 12] * 8, params)
+        params = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True) if seed is None else \
+            SamplingParams(temperature=1.0, max_tokens=steps + 50, ignore_eos=True, seed=seed(i))
+        engine.add_request([5 + i % 50, 6, 7, 8, 9, 10, 11, 12] * 8, params)
     for _ in range(20):
         engine.step()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     seconds = (time.perf_counter() - start) / steps
     for request_id in list(engine.requests):
         engine.abort(request_id)

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import sysconfig
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,31 +62,9 @@ def step_engine(which: str, device: str, batch: int):
                                                **opts))
 
 
-def steady_step_seconds(engine, batch: int, steps: int, seeded: bool) -> float:
-    import torch
-
-    from specserve.sampling_params import SamplingParams
-
-    for i in range(batch):
-        params = SamplingParams(temperature=1.0, max_tokens=steps + 50, ignore_eos=True, seed=i if seeded else None)
-        engine.add_request([5 + i % 50, 6, 7, 8, 9, 10, 11, 12] * 8, params)
-    for _ in range(20):
-        engine.step()
-    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    seconds = (time.perf_counter() - start) / steps
-    for request_id in list(engine.requests):
-        engine.abort(request_id)
-    while engine.has_unfinished():
-        engine.step()
-    return seconds
-
-
 def main() -> None:
+    from k0_step import steady_step_seconds  # benchmarks/ is on sys.path when run as a script
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--prompts", type=int, default=24)
@@ -108,8 +85,9 @@ def main() -> None:
         engine = step_engine(args.step_model, args.device, args.batch)
         times: dict = {"unseeded": [], "seeded": []}
         for _ in range(args.rounds):
-            for name in times:
-                seconds = steady_step_seconds(engine, args.batch, args.steps, name == "seeded")
+            for name in times:  # seeded: request i has seed i; unseeded: all temperature 1 without a seed
+                seed = (lambda i: i) if name == "seeded" else (lambda i: None)
+                seconds = steady_step_seconds(engine, args.steps, args.batch, seed)
                 times[name].append(round(1e6 * seconds, 1))
         median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         out["step"] = {"model": args.step_model, "batch": args.batch, "step_us": times,
