@@ -35,8 +35,8 @@ def build(name: str, device: str, max_seqs: int) -> LLMEngine:
     if name.endswith("_pp"):  # plain decoding in every step that carries a prefill
         choose = engine.spec.choose
 
-        def plain_with_prefills(batch_size: int, prefill: bool = False) -> object:
-            return PLAIN if prefill else choose(batch_size, prefill)
+        def plain_with_prefills(batch_size: int, prefill=None) -> object:
+            return PLAIN if prefill is not None and prefill() else choose(batch_size, prefill)
         engine.spec.choose = plain_with_prefills
     return engine
 

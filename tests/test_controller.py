@@ -213,8 +213,8 @@ def test_steps_that_compute_prompt_tokens_decode_plain_under_the_adaptive_policy
     c = calibrated(cheap)
     c.pin_acceptance([0.8])
     assert c.choose(4) == SHAPES[-1]
-    assert c.choose(4, prefill=True) == PLAIN
-    assert Controller("always", SHAPES).choose(4, prefill=True) == SHAPES[-1]
+    assert c.choose(4, prefill=lambda: True) == PLAIN
+    assert Controller("always", SHAPES).choose(4, prefill=lambda: True) == SHAPES[-1]
 
 
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():

@@ -324,7 +324,7 @@ def test_speculation_keeps_the_text(reference, pair, prompts, spec):
         controller = llm.engine.spec.controller
         shapes, choose = itertools.cycle(controller.shapes), controller.choose
 
-        def forced(batch_size, prefill=False):
+        def forced(batch_size, prefill=None):
             choose(batch_size, prefill)  # the controller's own bookkeeping still runs
             seen.append(next(shapes))
             return seen[-1]

@@ -167,7 +167,7 @@ def test_policies_switch_k_mid_request_losslessly(pair, plain_outputs, policy):
     controller.probe_every, controller.exploration_budget = 3, 1.0  # switch often: probes cost nothing
     seen = set()
     original = controller.choose
-    controller.choose = lambda b, prefill=False: _record(seen, original(b, prefill))
+    controller.choose = lambda b, prefill=None: _record(seen, original(b, prefill))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
     assert len({s.k for s in seen}) >= 2, "the test must see k change"
@@ -262,7 +262,7 @@ def test_adaptive_decodes_plain_in_steps_that_compute_prompt_tokens(pair, plain_
                    speculative_policy="adaptive", speculative_calibration_s=0, max_num_seqs=2)
     engine, flags = llm.engine, []
     choose = engine.spec.controller.choose
-    engine.spec.controller.choose = lambda b, prefill=False: flags.append(prefill) or choose(b, prefill)
+    engine.spec.controller.choose = lambda b, prefill=None: flags.append(prefill()) or choose(b, prefill)
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     prefills = decodes = 0

@@ -205,12 +205,13 @@ class LLMEngine:
         outputs of the step before it, whose host work ran while this one was on the device."""
         start = time.perf_counter()
         if self.spec is not None:
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prefill_pending())
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prefill_pending)
         if self.overlap and self.shape.steps == 0:
             return self._step_overlapped(start)
         outputs = self._drain() if self.inflight is not None else []
-        if self.shape.steps and self.scheduler.prefill_pending():  # the drained step freed a slot for a prompt
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), True)
+        if self.shape.steps and any(o.finished for o in outputs) and self.scheduler.prefill_pending():
+            # the drained step freed a slot that a prompt takes in this one
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), lambda: True)
         start = time.perf_counter()  # the drained step's device time belongs to that step
         emitted = self.stats.num_generation_tokens
         batch = self.scheduler.schedule(self._decode_shape)

@@ -37,7 +37,7 @@ Policies:
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 from .estimates import Pinned, Recent, StepTimes
 
@@ -124,14 +124,15 @@ class Controller:
         self.exploration_loss: dict[int, float] = {}  # per bucket: of them, seconds lost to other shapes
 
     # ---- decisions ----------------------------------------------------------------------------
-    def choose(self, batch_size: int, prefill: bool = False) -> Shape:
-        """The shape of the next step for batch_size running requests; prefill: the step will also compute
-        prompt tokens, which the adaptive policy decodes plain beside (see the module docstring)."""
+    def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
+        """The shape of the next step for batch_size running requests; prefill(): will the step also compute
+        prompt tokens, which the adaptive policy decodes plain beside (see the module docstring)? Asked
+        only by that policy."""
         if self.policy == "always":
             return self.configured
         if self.policy == "threshold":
             return PLAIN if batch_size > self.threshold else self.configured
-        if prefill:
+        if prefill is not None and prefill():
             return PLAIN
         return self._adaptive(bucket(batch_size), batch_size)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -80,8 +80,8 @@ class SpecDecoder:
         c = self.calibration
         self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds)
 
-    def choose(self, batch_size: int, prefill: bool = False) -> Shape:
-        """The next step's shape (prefill: it will also compute prompt tokens; see `Controller.choose`)."""
+    def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
+        """The next step's shape (prefill(): will it also compute prompt tokens? See `Controller.choose`)."""
         return self.forced if self.forced is not None else self.controller.choose(batch_size, prefill)
 
     def num_slots(self, shape: Shape) -> int:
