@@ -21,6 +21,7 @@ from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
 from .calibration import Calibration, calibrate
 from .controller import PLAIN, Controller, Shape, candidate_shapes
+from .eagle3_chain_loop import ChainFlight, ChainLoop
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -47,6 +48,7 @@ class SpecDecoder:
             spec.speculative_disable_batch_threshold)
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
+        self.loop: Optional[ChainLoop] = None  # greedy chain steps in the overlap pipeline (CUDA graphs)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -65,6 +67,9 @@ class SpecDecoder:
         most = self.config.model.max_model_len + max(self.num_slots(s) for s in shapes) + 1
         block = self.runner.block_size
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
+        if self.runner.ranks is None and getattr(self.proposer, "graphs", None) is not None:
+            self.loop = ChainLoop(self.proposer, self.runner.graphs)
+            self.loop.capture()
 
     def make_follower(self):
         """The proposer's follower for the target's plain-decode graphs, or None (see Proposer)."""
@@ -106,11 +111,35 @@ class SpecDecoder:
                                  [s.num_tokens for s in seqs])
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
-        if self.forced is None:
-            for tree, verdict in zip(trees, verdicts):
-                self.stats.record(tree.num_drafts, verdict.num_accepted)
-                self.controller.record_verify(shape, verdict.num_accepted)
+        self.record_accepted(shape, [v.num_accepted for v in verdicts])
         return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
+
+    def record_accepted(self, shape: Shape, accepted: list[int]) -> None:
+        """Drafts accepted per verified tree of one step, for the statistics and the controller."""
+        if self.forced is None:
+            for a in accepted:
+                self.stats.record(shape.k, a)
+                self.controller.record_verify(shape, a)
+
+    # ---- greedy chains in the overlap pipeline (eagle3_chain_loop.py) ----------------------------
+    def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
+        """Can seqs run chain steps of this shape with the host one step behind?"""
+        return self.loop is not None and self.loop.fits(seqs, shape)
+
+    def start_loop(self, seqs: list[Sequence], shape: Shape, started: float) -> ChainFlight:
+        """Launch the first chain step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
+        return self.loop.start(seqs, shape, started, self._draws(seqs))
+
+    def continue_loop(self, flight: ChainFlight, started: float) -> ChainFlight:
+        """Launch the next step of flight's rows before reading flight (KV reserved by the engine)."""
+        return self.loop.launch(flight, started, self._draws(flight.seqs))
+
+    def end_loop(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
+        """The run's last step is read: hand the draft state back (see `ChainLoop.hand_back`)."""
+        self.loop.hand_back(seqs, accepted)
+
+    def _draws(self, seqs: list[Sequence]) -> Optional[list[int]]:
+        return [self.synthetic.draw() for _ in seqs] if self.synthetic is not None else None
 
     def _move_branches(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
         """Move the KV of each accepted tree branch to the positions after the prefix, all in one copy."""
@@ -149,14 +178,14 @@ class SpecDecoder:
         self.proposer.flush(seqs, cached_blocks)
 
     def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0,
-                    tokens: Optional[int] = None) -> None:
+                    tokens: Optional[int] = None, looped: bool = False) -> None:
         """A decode-only step's wall time, for the controller (`tokens`: what it emitted, when known).
         `drafted`: sequences that speculated in it;
         a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
         decoding) is not typical of its shape: the controller charges it to exploration but does not time
-        it."""
+        it. `looped`: a chain step of the overlap pipeline (typical by construction)."""
         if self.forced is not None:
             return
-        caught_up = self.proposer.last_catch_up if drafted else 0
+        caught_up = self.proposer.last_catch_up if drafted and not looped else 0
         typical = caught_up <= drafted * (shape.steps + 1)
         self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up, tokens)

@@ -118,6 +118,13 @@ class DraftGraphs:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Fill the static inputs from seqs (marking their pairs seen) and replay; candidates as `grow`'s."""
+        bs = self.fill(seqs)
+        self.graphs[(bs, shape)].replay()
+        self.replays += 1
+        return tuple(x[:len(seqs)] for x in self.outputs[(bs, shape)])
+
+    def fill(self, seqs: list[Sequence]) -> int:
+        """Fill the static inputs from seqs, marking their pairs seen; returns the batch size to replay."""
         bs = next(b for b in self.sizes if b >= len(seqs))
         q, real = self.q, len(seqs)
         ids = [0] * (bs * q)
@@ -142,6 +149,4 @@ class DraftGraphs:
         tables = padded_tables([s.block_table for s in seqs])  # [real, width]
         self.tables[:real, :tables.shape[1]].copy_(to_device(tables, torch.int32, dev))
         gather.into(self.features)
-        self.graphs[(bs, shape)].replay()
-        self.replays += 1
-        return tuple(x[:real] for x in self.outputs[(bs, shape)])
+        return bs

@@ -1,0 +1,101 @@
+"""Greedy chain steps in the overlap pipeline (speculative/eagle3_chain_loop.py): the host reads each step's
+verdicts one step late. Output equals plain decoding and every verdict equals the synchronous path's
+(the drafts depend on every pair the loop caught up on and every block feature it kept), through stops
+inside accepted runs, requests that arrive, finish and are aborted mid-run, and prefix-cache hits."""
+from __future__ import annotations
+
+import pytest
+
+from specserve import SamplingParams
+
+from .conftest import DEVICE, assert_pool_full, make_llm, mixed_prompts
+from .eagle_utils import make_pair
+
+pytestmark = pytest.mark.skipif(DEVICE["name"] != "cuda", reason="the chain loop runs in CUDA graphs")
+
+VOCAB = 64
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("loop"), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(12, VOCAB, seed=7, lo=2, hi=40)
+
+
+@pytest.fixture(scope="module")
+def plain(pair, prompts):
+    outs = make_llm(pair[0]).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def speculative(pair, loop: bool, **options):
+    """A chain-3 engine speculating every step; recording each step's accepted drafts per request."""
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_num_steps=3, speculative_policy="always", **options)
+    spec, seen = llm.engine.spec, []
+    if not loop:
+        spec.loop = None
+    record = spec.record_accepted
+    spec.record_accepted = lambda shape, accepted: (seen.append(list(accepted)), record(shape, accepted))
+    return llm, seen
+
+
+@pytest.mark.parametrize("prefix", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+def test_loop_verdicts_equal_the_synchronous_steps(pair, prompts, plain, prefix):
+    """Two passes (the second starts on the first's cached blocks when the prefix cache is on), then
+    stops at many points inside accepted runs: the same verdicts, step by step, with and without the loop."""
+    stops = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+             for m in (1, 2, 3, 5, 7, 8, 11, 13, 17, 23, 29, 40)]
+    seen = {}
+    for loop in (True, False):
+        llm, seen[loop] = speculative(pair, loop, enable_prefix_caching=prefix, block_size=8)
+        for _ in range(2):
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+            assert [o.token_ids for o in outs] == plain
+        outs = llm.generate(prompts, stops)
+        assert [o.token_ids for o in outs] == [w[:p.max_tokens] for w, p in zip(plain, stops)]
+        stop_at = [w[9] for w in plain]
+        outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=NEW, stop_token_ids=[t],
+                                                     ignore_eos=True) for t in stop_at])
+        assert [o.token_ids for o in outs] == [w[:w.index(t) + 1] for w, t in zip(plain, stop_at)]
+        assert_pool_full(llm)
+        if loop:
+            assert llm.engine.spec.loop.launches > 20
+            if prefix:
+                assert llm.engine.stats.prefix_cache.num_hits > 0
+    assert sum(map(sum, seen[True])) > 0, "the random draft should hit sometimes: acceptance untested"
+    assert seen[True] == seen[False]
+
+
+def test_requests_arrive_finish_and_abort_mid_run(pair, prompts, plain):
+    """Requests join while others run chains, finish at different steps, and one is aborted mid-run: every
+    other request's text is plain decoding's, and the engine ends with every KV block free."""
+    llm, _ = speculative(pair, True, max_num_seqs=6)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    done, ids = {}, {}
+    step = 0
+    queue = list(enumerate(prompts))
+    while queue or engine.has_unfinished():
+        if queue and step % 7 == 0:
+            for i, p in queue[:3]:
+                ids[engine.add_request(p, params).request_id] = i
+            queue = queue[3:]
+        if step == 12:
+            engine.abort(next(iter(engine.requests)))
+        for out in engine.step():
+            if out.finished:
+                done[ids[out.request_id]] = (out.token_ids, out.finish_reason)
+        step += 1
+    aborted = [i for i, (_, reason) in done.items() if reason == "abort"]
+    assert len(aborted) <= 1
+    assert all(tokens == plain[i] for i, (tokens, reason) in done.items() if reason != "abort")
+    assert len(done) >= len(prompts) - 1
+    assert engine.spec.loop.launches > 10
+    assert_pool_full(llm)
