@@ -136,15 +136,13 @@ class ChainLoop:
 
     def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
         """Can these sequences run a chain step of this shape here (a captured batch size, plain greedy)?"""
-        return (shape in self.sizes and len(seqs) <= self.sizes[shape][-1] and all(map(plain_greedy, seqs))
-                and self.draft.fits(seqs, shape))
+        return shape in self.sizes and len(seqs) <= self.sizes[shape][-1] and all(map(plain_greedy, seqs))
 
     @torch.inference_mode()
     def start(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> ChainFlight:
         """The first step of a run: draft inputs from the sequences' draft state (each has one uncomputed
         token, its root). draws: synthetic acceptance's drafts to accept per row."""
-        for seq in seqs:
-            self.proposer.state(seq)
+        self.proposer.settle(seqs, self.draft.q)
         self.draft.fill(seqs)
         self.tables_version = [len(s.block_table) for s in seqs]
         return self._launch(seqs, shape, started, draws)

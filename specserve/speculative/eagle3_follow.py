@@ -46,12 +46,7 @@ class DraftFollower:
 
     def _settle(self, seqs: list[Sequence]) -> None:
         """Store each sequence's pending pairs but the last, move the last one's feature to its row."""
-        p = self.proposer
-        for seq in seqs:
-            p.state(seq, seq.num_computed_tokens)
-        behind = [s for s in seqs if s.num_computed_tokens - s.draft_state.computed > 1]
-        if behind:
-            p.store_pairs(behind, [s.num_computed_tokens - 1 for s in behind])
+        self.proposer.settle(seqs)
         gather = RowGather()
         for seq in seqs:
             state = seq.draft_state

@@ -110,10 +110,11 @@ class DraftGraphs:
         log.info("captured %d draft CUDA graphs in %.1f s", len(self.graphs), seconds)
         return seconds
 
-    def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
-        """Steady state: a captured shape and batch size, and at most Q pairs to catch up on per sequence."""
+    def fits(self, seqs: list[Sequence], shape: Shape, settled: bool = True) -> bool:
+        """A captured shape and batch size, and (settled) at most Q pairs to catch up on per sequence (see
+        `Eagle3Proposer.settle`)."""
         return (len(seqs) <= self.sizes[-1] and shape in self.shapes
-                and all(s.num_computed_tokens - s.draft_state.computed <= self.q for s in seqs))
+                and (not settled or all(s.num_computed_tokens - s.draft_state.computed <= self.q for s in seqs)))
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

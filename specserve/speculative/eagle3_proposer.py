@@ -156,12 +156,23 @@ class Eagle3Proposer(Proposer):
         self.graphs.capture()
 
     # ---- drafting -----------------------------------------------------------------------------
+    def settle(self, seqs: list[Sequence], within: int = 1) -> None:
+        """Bring every sequence whose draft is more than `within` pairs behind the target to one pair
+        behind: the pairs before its last are stored without attending (as a long catch-up stores them), so
+        that a step of it fits the draft graphs (within: their pairs per sequence) or the follower."""
+        for seq in seqs:
+            self.state(seq)
+        behind = [s for s in seqs if s.num_computed_tokens - s.draft_state.computed > within]
+        if behind:
+            self.store_pairs(behind, [s.num_computed_tokens - 1 for s in behind])
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         for seq in seqs:
             self.state(seq)
-        if self.graphs is not None and self.graphs.fits(seqs, shape):
+        if self.graphs is not None and self.graphs.fits(seqs, shape, settled=False):
             self.last_catch_up = sum(s.num_computed_tokens - s.draft_state.computed for s in seqs)
+            self.settle(seqs, self.graphs.q)
             cands = self.graphs.run(seqs, shape)
         else:
             logits, hidden = self._catch_up(seqs, shape.steps)  # [B, draft_vocab], [B, H]
