@@ -16,7 +16,7 @@ from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from ..speculative.batch_verify import process_drafts
 from ..speculative.controller import PLAIN, Shape
-from ..speculative.decoder import ChainFlight, SpecDecoder
+from ..speculative.decoder import LoopFlight, SpecDecoder
 from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardOutput, ModelRunner
@@ -125,8 +125,8 @@ class LLMEngine:
         self.shape: Shape = PLAIN
         self.overlap = not config.execution.disable_overlap_schedule
         self.inflight: Optional[InFlight] = None
-        self.chain: Optional[ChainFlight] = None  # a greedy chain step in flight (speculative overlap)
-        self.chain_done: list[Sequence] = []  # finished during the chain run: released when it drains
+        self.flight: Optional[LoopFlight] = None  # a greedy speculative step in flight (overlap)
+        self.flight_done: list[Sequence] = []  # finished during the run: released when it drains
         on_cuda = self.runner.device.type == "cuda"
         rows = config.scheduler.max_num_seqs
         self.host_buffers = [torch.empty(rows, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
@@ -188,7 +188,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.inflight is not None or self.chain is not None
+        return self.scheduler.has_work() or self.inflight is not None or self.flight is not None
 
     def close(self) -> None:
         """End the other tensor-parallel ranks (they also end when this process exits)."""
@@ -203,18 +203,18 @@ class LLMEngine:
         return shape.num_nodes, self.spec.num_slots(shape)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs it completed. With overlap on, a plain step (and a greedy chain
-        step in a run of them) returns the outputs of the step before it, whose host work ran while this
+        """Run one step; return the outputs it completed. With overlap on, a plain step (and a greedy
+        speculative step in a run of them) returns the outputs of the step before it, whose host work ran while this
         one was on the device."""
         start = time.perf_counter()
         if self.spec is not None:
             self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prefill_pending)
         outputs, released = [], False
-        if self.chain is not None:
-            if self._chain_continues():
-                return self._chain_step(start)
-            released = bool(self.chain_done)
-            outputs = self._chain_drain()
+        if self.flight is not None:
+            if self._loop_continues():
+                return self._loop_step(start)
+            released = bool(self.flight_done)
+            outputs = self._loop_drain()
         if self.overlap and self.shape.steps == 0:
             return outputs + self._step_overlapped(start)
         if self.inflight is not None:
@@ -229,8 +229,8 @@ class LLMEngine:
         if not batch:
             return outputs
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
-        if self._chain_starts(batch, speculating):
-            self.chain = self.spec.start_loop([item.seq for item in batch], self.shape, start)
+        if self._loop_starts(batch, speculating):
+            self.flight = self.spec.start_loop([item.seq for item in batch], self.shape, start)
             self.stats.num_steps += 1
             self.stats.spec.last_k = self.shape.k
             return outputs
@@ -266,17 +266,17 @@ class LLMEngine:
             self.spec.record_step(len(batch), PLAIN, time.perf_counter() - start)
         return outputs
 
-    # ---- overlap: greedy chain steps launch before the previous one's verdicts are read ------------
-    def _chain_starts(self, batch: list[ScheduledSeq], speculating: list[ScheduledSeq]) -> bool:
-        """Does this step start a chain run: every running sequence drafts and the run's graphs fit?"""
+    # ---- overlap: greedy speculative steps launch before the previous one's verdicts are read ------------
+    def _loop_starts(self, batch: list[ScheduledSeq], speculating: list[ScheduledSeq]) -> bool:
+        """Does this step start a run of looped steps: every running sequence drafts and the run's graphs fit?"""
         return (self.overlap and bool(speculating) and len(speculating) == len(batch) == len(self.scheduler.running)
                 and self.spec.loop_fits([item.seq for item in batch], self.shape))
 
-    def _chain_continues(self) -> bool:
-        """May the next chain step launch before the one in flight is read: the same rows and shape, no
+    def _loop_continues(self) -> bool:
+        """May the next speculative step launch before the one in flight is read: the same rows and shape, no
         prompt waiting, and KV for the most the step in flight can accept plus the next step's slots?"""
-        flight = self.chain
-        if (self.shape != flight.shape or self.chain_done or self.scheduler.running != flight.seqs
+        flight = self.flight
+        if (self.shape != flight.shape or self.flight_done or self.scheduler.running != flight.seqs
                 or self.scheduler.prefill_pending()):
             return False
         n, slots = self.shape.num_nodes, self.spec.num_slots(self.shape)
@@ -288,19 +288,19 @@ class LLMEngine:
             self.blocks.append(seq, n + slots)
         return True
 
-    def _chain_step(self, start: float) -> list[RequestOutput]:
-        flight = self.chain
-        self.chain = self.spec.continue_loop(flight, start)
+    def _loop_step(self, start: float) -> list[RequestOutput]:
+        flight = self.flight
+        self.flight = self.spec.continue_loop(flight, start)
         self.stats.num_steps += 1
         emitted = self.stats.num_generation_tokens
-        outputs, _ = self._chain_resolve(flight)
-        # launch to launch, the wait for the step before included: one chain step's time
+        outputs, _ = self._loop_resolve(flight)
+        # launch to launch, the wait for the step before included: one speculative step's time
         self.spec.record_step(len(flight.seqs), flight.shape, time.perf_counter() - start, len(flight.seqs),
                               self.stats.num_generation_tokens - emitted, looped=True)
         return outputs
 
-    def _chain_resolve(self, flight: ChainFlight) -> tuple[list[RequestOutput], list[Optional[int]]]:
-        """Read a chain step's verdicts and apply them; per row, the drafts it accepted (None for a
+    def _loop_resolve(self, flight: LoopFlight) -> tuple[list[RequestOutput], list[Optional[int]]]:
+        """Read a looped step's verdicts and apply them; per row, the drafts it accepted (None for a
         sequence that had finished before it)."""
         outputs, accepted = [], []
         for seq, (a, tokens) in zip(flight.seqs, flight.read()):
@@ -312,22 +312,22 @@ class LLMEngine:
             self.stats.num_generation_tokens += seq.append_tokens(tokens)
             outputs.append(self._output(seq))
             if seq.finished:
-                self.chain_done.append(seq)
+                self.flight_done.append(seq)
         if outputs:
             self.spec.record_accepted(flight.shape, [a for a in accepted if a is not None])
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return outputs, accepted
 
-    def _chain_drain(self) -> list[RequestOutput]:
-        """End the chain run: read its last step, hand the draft state back, trim the KV reserved past
+    def _loop_drain(self) -> list[RequestOutput]:
+        """End the run: read its last step, hand the draft state back, trim the KV reserved past
         each sequence's tokens and release the sequences that finished."""
-        flight, self.chain = self.chain, None
-        outputs, accepted = self._chain_resolve(flight)
+        flight, self.flight = self.flight, None
+        outputs, accepted = self._loop_resolve(flight)
         self.spec.end_loop(flight.seqs, accepted)
         for seq in flight.seqs:
             if not seq.finished:
                 self.blocks.truncate(seq, seq.num_tokens)
-        done, self.chain_done = self.chain_done, []
+        done, self.flight_done = self.flight_done, []
         self._finish(done)
         return outputs
 

@@ -21,7 +21,7 @@ from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
 from .calibration import Calibration, calibrate
 from .controller import PLAIN, Controller, Shape, candidate_shapes
-from .eagle3_chain_loop import ChainFlight, ChainLoop
+from .eagle3_loop import LoopFlight, SpecLoop
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -48,7 +48,7 @@ class SpecDecoder:
             spec.speculative_disable_batch_threshold)
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
-        self.loop: Optional[ChainLoop] = None  # greedy chain steps in the overlap pipeline (CUDA graphs)
+        self.loop: Optional[SpecLoop] = None  # greedy speculative steps in the overlap pipeline (CUDA graphs)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -68,7 +68,7 @@ class SpecDecoder:
         block = self.runner.block_size
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
         if self.runner.ranks is None and getattr(self.proposer, "graphs", None) is not None:
-            self.loop = ChainLoop(self.proposer, self.runner.graphs)
+            self.loop = SpecLoop(self.proposer, self.runner.graphs, self.runner.kv_cache)
             self.loop.capture()
 
     def make_follower(self):
@@ -121,21 +121,21 @@ class SpecDecoder:
                 self.stats.record(shape.k, a)
                 self.controller.record_verify(shape, a)
 
-    # ---- greedy chains in the overlap pipeline (eagle3_chain_loop.py) ----------------------------
+    # ---- greedy speculation in the overlap pipeline (eagle3_loop.py) ----------------------------
     def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
-        """Can seqs run chain steps of this shape with the host one step behind?"""
+        """Can seqs run speculative steps of this shape with the host one step behind?"""
         return self.loop is not None and self.loop.fits(seqs, shape)
 
-    def start_loop(self, seqs: list[Sequence], shape: Shape, started: float) -> ChainFlight:
-        """Launch the first chain step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
+    def start_loop(self, seqs: list[Sequence], shape: Shape, started: float) -> LoopFlight:
+        """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
         return self.loop.start(seqs, shape, started, self._draws(seqs))
 
-    def continue_loop(self, flight: ChainFlight, started: float) -> ChainFlight:
+    def continue_loop(self, flight: LoopFlight, started: float) -> LoopFlight:
         """Launch the next step of flight's rows before reading flight (KV reserved by the engine)."""
         return self.loop.launch(flight, started, self._draws(flight.seqs))
 
     def end_loop(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
-        """The run's last step is read: hand the draft state back (see `ChainLoop.hand_back`)."""
+        """The run's last step is read: hand the draft state back (see `SpecLoop.hand_back`)."""
         self.loop.hand_back(seqs, accepted)
 
     def _draws(self, seqs: list[Sequence]) -> Optional[list[int]]:
@@ -183,7 +183,7 @@ class SpecDecoder:
         `drafted`: sequences that speculated in it;
         a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
         decoding) is not typical of its shape: the controller charges it to exploration but does not time
-        it. `looped`: a chain step of the overlap pipeline (typical by construction)."""
+        it. `looped`: a step of the overlap pipeline (typical by construction)."""
         if self.forced is not None:
             return
         caught_up = self.proposer.last_catch_up if drafted and not looped else 0

@@ -65,19 +65,27 @@ class SyntheticAcceptance:
         first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
 
-        b, n = tokens.shape
-        dev = tokens.device
-        want = to_device([self.draw() for _ in range(b)], torch.long, dev)  # [B]
-        cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
-        first_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
-        first_child.scatter_reduce_(1, torch.where(cols > 0, parents, n), cols, "amin")
-        node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]
-        on_path = cols == 0  # [B, N]
-        for depth in range(n - 1):
-            nxt = first_child.gather(1, node[:, None]).squeeze(1)  # [B]
-            step = (depth < want) & (nxt < n)
-            node = torch.where(step, nxt, node)
-            on_path = on_path | (step[:, None] & (cols == node[:, None]))
+        want = to_device([self.draw() for _ in range(tokens.shape[0])], torch.long, tokens.device)  # [B]
+        on_path, node = spine_path(parents, want)
+        b, dev = tokens.shape[0], tokens.device
         at = None if positions is None else to_device(positions, torch.long, dev) + on_path.sum(1) - 1  # [B]
         final = Sampler()(logits[torch.arange(b, device=dev), node], params, generators, at)  # [B]
         return path_verdict(tokens, on_path, final)
+
+
+def spine_path(parents: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of trees parents [B, N], the path that follows each node's first child for want[b] steps
+    (or until a leaf): on_path [B, N] bool and its last node [B]."""
+    b, n = parents.shape
+    dev = parents.device
+    cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
+    first_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
+    first_child.scatter_reduce_(1, torch.where(cols > 0, parents, n), cols, "amin")
+    node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]
+    on_path = cols == 0  # [B, N]
+    for depth in range(n - 1):
+        nxt = first_child.gather(1, node[:, None]).squeeze(1)  # [B]
+        step = (depth < want) & (nxt < n)
+        node = torch.where(step, nxt, node)
+        on_path = on_path | (step[:, None] & (cols == node[:, None]))
+    return on_path, node

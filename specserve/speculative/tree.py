@@ -107,6 +107,20 @@ def select_trees(roots: list[int], cand_tokens: torch.Tensor, cand_scores: torch
     """`select_tree` for a batch, on the candidates' device with one read to the host: cand_* [B, C]
     (cand_depths [C], the draft depth of each candidate), roots [B]. Each tree carries its depths and,
     with `masks`, its ancestor mask on the device (chains need none)."""
+    tokens, parents, depths, mask = device_trees(cand_tokens, cand_scores, cand_parents, cand_depths, num_nodes,
+                                                 masks)
+    host = torch.cat([tokens, parents, depths], 1).tolist()  # [B, 3(N-1)]
+    n = num_nodes - 1
+    return [DraftTree([root] + row[:n], [-1] + row[n:2 * n], [0] + row[2 * n:], mask[i] if masks else None)
+            for i, (root, row) in enumerate(zip(roots, host))]
+
+
+def device_trees(cand_tokens: torch.Tensor, cand_scores: torch.Tensor, cand_parents: torch.Tensor,
+                 cand_depths: torch.Tensor, num_nodes: int, masks: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """`select_tree` for a batch without leaving the device: of candidates cand_* [B, C] (cand_depths [C]),
+    the kept nodes' tokens, parent node indices (0: the root) and depths, each [B, N-1] for nodes 1..N-1,
+    and with `masks` the ancestor masks [B, N, N] of the whole trees."""
     b, c = cand_tokens.shape
     dev = cand_tokens.device
     keep = torch.sort(-cand_scores, dim=1, stable=True).indices[:, :num_nodes - 1].sort(1).values  # [B, N-1]
@@ -118,7 +132,4 @@ def select_trees(roots: list[int], cand_tokens: torch.Tensor, cand_scores: torch
     rows = torch.arange(b, device=dev)
     for i in range(1, num_nodes if masks else 1):  # a parent precedes its child
         mask[:, i] |= mask[rows, parents[:, i - 1]]
-    host = torch.cat([cand_tokens.gather(1, keep), parents, cand_depths[keep]], 1).tolist()  # [B, 3(N-1)]
-    n = num_nodes - 1
-    return [DraftTree([root] + row[:n], [-1] + row[n:2 * n], [0] + row[2 * n:], mask[i] if masks else None)
-            for i, (root, row) in enumerate(zip(roots, host))]
+    return cand_tokens.gather(1, keep), parents, cand_depths[keep], mask

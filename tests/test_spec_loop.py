@@ -1,4 +1,4 @@
-"""Greedy chain steps in the overlap pipeline (speculative/eagle3_chain_loop.py): the host reads each step's
+"""Greedy speculative steps in the overlap pipeline (speculative/eagle3_loop.py): the host reads each step's
 verdicts one step late. Output equals plain decoding and every verdict equals the synchronous path's
 (the drafts depend on every pair the loop caught up on and every block feature it kept), through stops
 inside accepted runs, requests that arrive, finish and are aborted mid-run, and prefix-cache hits."""
@@ -33,11 +33,16 @@ def plain(pair, prompts):
     return [o.token_ids for o in outs]
 
 
-def speculative(pair, loop: bool, **options):
-    """A chain-3 engine speculating every step; recording each step's accepted drafts per request."""
+SHAPES = {"chain": dict(speculative_num_steps=3),
+          "tree": dict(speculative_num_steps=4, speculative_eagle_topk=3, speculative_num_draft_tokens=8)}
+
+
+def speculative(pair, loop: bool, shape: str = "chain", **options):
+    """An engine speculating every step (a chain of 3 or a tree of 8); recording each step's accepted
+    drafts per request."""
     target, draft = pair
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
-                   speculative_num_steps=3, speculative_policy="always", **options)
+                   speculative_policy="always", **SHAPES[shape], **options)
     spec, seen = llm.engine.spec, []
     if not loop:
         spec.loop = None
@@ -46,15 +51,16 @@ def speculative(pair, loop: bool, **options):
     return llm, seen
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("prefix", [False, True], ids=["no_prefix_cache", "prefix_cache"])
-def test_loop_verdicts_equal_the_synchronous_steps(pair, prompts, plain, prefix):
+def test_loop_verdicts_equal_the_synchronous_steps(pair, prompts, plain, prefix, shape):
     """Two passes (the second starts on the first's cached blocks when the prefix cache is on), then
     stops at many points inside accepted runs: the same verdicts, step by step, with and without the loop."""
     stops = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
              for m in (1, 2, 3, 5, 7, 8, 11, 13, 17, 23, 29, 40)]
     seen = {}
     for loop in (True, False):
-        llm, seen[loop] = speculative(pair, loop, enable_prefix_caching=prefix, block_size=8)
+        llm, seen[loop] = speculative(pair, loop, shape, enable_prefix_caching=prefix, block_size=8)
         for _ in range(2):
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
             assert [o.token_ids for o in outs] == plain
@@ -73,10 +79,11 @@ def test_loop_verdicts_equal_the_synchronous_steps(pair, prompts, plain, prefix)
     assert seen[True] == seen[False]
 
 
-def test_requests_arrive_finish_and_abort_mid_run(pair, prompts, plain):
-    """Requests join while others run chains, finish at different steps, and one is aborted mid-run: every
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_requests_arrive_finish_and_abort_mid_run(pair, prompts, plain, shape):
+    """Requests join while others speculate, finish at different steps, and one is aborted mid-run: every
     other request's text is plain decoding's, and the engine ends with every KV block free."""
-    llm, _ = speculative(pair, True, max_num_seqs=6)
+    llm, _ = speculative(pair, True, shape, max_num_seqs=6)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     done, ids = {}, {}

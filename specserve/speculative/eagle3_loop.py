@@ -1,0 +1,243 @@
+"""Greedy EAGLE-3 speculation with the host one step behind: speculative steps in the overlap pipeline.
+
+In steady state a greedy speculative step needs nothing from the host. Its draft catches up on what the
+previous verify accepted (tokens and target features already on the device), drafts a chain or grows
+candidates and keeps the best as a tree (`device_trees`), the target verifies it (tree attention from
+ancestor bits built on the device), the accepted branch's KV moves into place, and the verdict becomes the
+next step's draft inputs. One CUDA graph per (batch size, shape) runs all of it on the static buffers of
+the draft graphs (`DraftGraphs`) and the target's (`GraphRunner`) and leaves each row's accept length and
+output tokens for the host, which copies them without waiting.
+
+The engine launches step N+1 before it reads step N's result, with KV reserved for the most step N can
+accept; while it applies step N (stop checks, outputs) the device runs step N+1. Anything that changes the
+batch (a request finishes, arrives or is aborted, the controller switches shape, the KV pool runs short)
+drains the pipeline: the last step's result is read and `hand_back` leaves every sequence's draft state as
+the synchronous path would. Verification is `verify_greedy_chains`' and `verify_batch`'s (synthetic
+acceptance: the host's draws of each step, along each tree's spine as `SyntheticAcceptance.verify_batch`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ..device import to_device
+from ..engine.cuda_graph import GraphRunner, capture_all
+from ..engine.sequence import Sequence
+from ..layers.triton_attention import padded_tables, tree_bitmask
+from .batch_verify import path_verdict, verify_batch, verify_greedy_chains
+from .controller import Shape
+from .eagle3_proposer import DraftState
+from .synthetic import spine_path
+from .tree import device_trees
+
+if TYPE_CHECKING:
+    from .eagle3_proposer import Eagle3Proposer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopFlight:
+    """A launched speculative step whose result the host has not read."""
+
+    seqs: list[Sequence]  # its rows, in order
+    shape: Shape
+    host: torch.Tensor  # [rows, N + 1] pinned: accept length, then the output tokens (-1 past them)
+    event: torch.cuda.Event  # recorded after the copy to `host`
+    started: float  # perf_counter when its step began
+
+    def read(self) -> list[tuple[int, list[int]]]:
+        """Per row: drafts accepted, and the tokens the step emits (the accepted drafts, then the target's)."""
+        self.event.synchronize()
+        return [(r[0], r[1:r[0] + 2]) for r in self.host[:len(self.seqs)].tolist()]
+
+
+def plain_greedy(seq: Sequence) -> bool:
+    """Does seq verify by argmax alone (greedy, no logits processing, grammar or logprobs)?"""
+    p = seq.params
+    return p.greedy and p.logprobs is None and not p.processes_logits and not p.guided
+
+
+class SpecLoop:
+    def __init__(self, proposer: "Eagle3Proposer", target: GraphRunner, kv_cache: torch.Tensor):
+        """proposer: its draft graphs are captured; target: the target's captured graphs (same scratch slot);
+        kv_cache: the target's [layers, k/v, slots + scratch, kv_heads, head_dim] (accepted branches move)."""
+        draft = proposer.graphs
+        assert draft.scratch_slot == target.scratch_slot, "the draft and the target pad into one scratch slot"
+        self.proposer, self.draft, self.target, self.kv_cache = proposer, draft, target, kv_cache
+        self.shapes = [s for s in draft.shapes if s.num_nodes in target.sizes]
+        self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
+        dev, max_bs = draft.ids.device, draft.live.shape[0]
+        most = max((s.num_nodes for s in self.shapes), default=1)
+        self.want = torch.full((max_bs,), -1, dtype=torch.long, device=dev)  # [B] synthetic draws; -1: verify
+        self.result = torch.zeros(max_bs, most + 1, dtype=torch.long, device=dev)  # [B, N + 1] for the host
+        self.host = [torch.empty(max_bs, most + 1, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        self._flip = 0
+        self._drawn = False  # the latest launch verified by synthetic draws
+        self.graphs: dict[tuple[int, Shape], torch.cuda.CUDAGraph] = {}
+        self.launches = 0
+        self.tables_version: list[int] = []  # block table lengths as last copied to the device
+
+    # ---- what the graph runs ---------------------------------------------------------------------
+    def _run(self, bs: int, shape: Shape) -> None:
+        d, t, n = self.draft, self.target, shape.num_nodes
+        dev = d.ids.device
+        tokens, parents, depths, bits = self._draft(bs, shape)  # each [bs, n]; bits None for chains
+        ends, live = d.ends[:bs], d.live[:bs]
+        slot_pos = ends[:, None] + torch.arange(n, device=dev)  # [bs, n] node i's KV sits at position ends + i
+        t.ids[:bs * n].copy_(tokens.view(-1))
+        t.positions[:bs * n].copy_((ends[:, None] + depths).view(-1))
+        t.slots[:bs * n].copy_(d._slots(bs, slot_pos, torch.ones_like(slot_pos, dtype=torch.bool)))
+        t.seq_lens[:bs].copy_(torch.where(live, ends + n, 0))
+        width = min(t.block_tables.shape[1], d.tables.shape[1])
+        t.block_tables[:bs, :width].copy_(d.tables[:bs, :width])
+        if bits is None:
+            t.tree_bits[:bs * n].zero_()
+            t.tree_lens[:bs].zero_()
+        else:
+            t.tree_bits[:bs * n].copy_(bits.view(-1))
+            t.tree_lens[:bs].copy_(torch.where(live, n, 0))
+        logits, aux = t._run(bs, n)  # [bs * n, vocab], [bs * n, aux_dim]
+        on_path, final = self._verify(tokens, parents, logits.view(bs, n, -1), bits is None)
+        verdict = path_verdict(tokens, on_path, final)
+        if bits is not None:
+            self._move_kv(bs, slot_pos, verdict.path, on_path)
+        self._advance(bs, n, verdict, aux)
+        self.result[:bs, 0].copy_(verdict.accept_len)
+        self.result[:bs, 1:n + 1].copy_(verdict.out_tokens)
+
+    def _draft(self, bs: int, shape: Shape):
+        """The step's trees: tokens, parents (-1 at the root), depths [bs, n] and, for trees, each node's
+        ancestor bits [bs, n] (None for chains)."""
+        d, n = self.draft, shape.num_nodes
+        dev = d.ids.device
+        cands = d._run(bs, shape)
+        q_lens = d.q_lens[:bs].long()
+        root = d.ids[:bs * d.q].view(bs, d.q).gather(1, q_lens[:, None] - 1)  # [bs, 1] the last pair's token
+        nodes = torch.arange(n, device=dev).expand(bs, n)
+        if shape.topk == 1:
+            return torch.cat([root, cands[0]], 1), nodes - 1, nodes, None
+        drafts, parents, depths, mask = device_trees(*cands, self.proposer.candidate_depths(shape), n)
+        first = torch.zeros_like(root)
+        return (torch.cat([root, drafts], 1), torch.cat([first - 1, parents], 1), torch.cat([first, depths], 1),
+                tree_bitmask(mask))
+
+    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, chain: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification of trees (chain: chains) tokens, parents [bs, n] against logits [bs, n, vocab]
+        (rows with a synthetic draw accept along their spine): the accepted nodes [bs, n] and the target's
+        token after the last of them [bs]."""
+        bs, n = tokens.shape
+        nodes = torch.arange(n, device=tokens.device)
+        argmax = logits.argmax(-1)  # [bs, n]
+        if chain:
+            greedy = nodes <= verify_greedy_chains(tokens, logits, argmax).accept_len[:, None]
+        else:
+            path = verify_batch(tokens, parents, logits, torch.ones(bs, dtype=torch.bool, device=tokens.device),
+                                argmax=argmax).path  # [bs, n] accepted nodes, then -1
+            greedy = torch.zeros(bs, n + 1, dtype=torch.bool, device=tokens.device)
+            greedy = greedy.scatter_(1, torch.where(path >= 0, path, n), True)[:, :n]
+        want = self.want[:bs]
+        on_path = torch.where((want >= 0)[:, None], spine_path(parents, want)[0], greedy)
+        last = torch.where(on_path, nodes, 0).amax(1)  # [bs] a path's nodes increase
+        return on_path, argmax.gather(1, last[:, None]).squeeze(1)
+
+    def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor, on_path: torch.Tensor) -> None:
+        """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
+        copy); everything else copies the scratch slot onto itself."""
+        d = self.draft
+        nodes = torch.arange(path.shape[1], device=path.device)
+        moves = (path >= 0) & (path != nodes) & d.live[:bs, None]  # [bs, n]
+        ends = d.ends[:bs, None]
+        src = d._slots(bs, ends + path.clamp(min=0), moves)  # [bs * n]
+        dst = d._slots(bs, slot_pos, moves)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _advance(self, bs: int, n: int, verdict, aux: torch.Tensor) -> None:
+        """The verdict becomes the next step's draft inputs: pairs (features at the accepted nodes, the token
+        after each) and the new root position; the features of committed positions that end a block go to
+        the proposer's block features (as `Eagle3Proposer.observe`)."""
+        d, p = self.draft, self.proposer
+        live, dev = d.live[:bs], aux.device
+        page, count = p.block_size, verdict.accept_len + 1  # [bs] pairs to catch up on next
+        kept = torch.arange(n, device=dev) <= verdict.accept_len[:, None]  # [bs, n]
+        rows = verdict.path.clamp(min=0)[:, :, None].expand(bs, n, aux.shape[1])
+        features = aux.view(bs, n, -1).gather(1, rows)  # [bs, n, aux_dim] in path order
+        m = min(n, d.q)  # a path holds at most steps + 1 = Q nodes
+        d.ids[:bs * d.q].view(bs, d.q)[:, :m].copy_(torch.where(kept, verdict.out_tokens, 0)[:, :m])
+        d.features[:bs * d.q].view(bs, d.q, -1)[:, :m].copy_(features[:, :m])
+        pos = d.ends[:bs, None] + torch.arange(n, device=dev)  # [bs, n] committed positions
+        ends_block = kept & (pos % page == page - 1) & live[:, None]
+        blocks = torch.where(ends_block, d.tables[:bs].long().gather(1, pos // page), p.block_features.shape[0])
+        p.all_block_features[blocks.view(-1)] = features.reshape(bs * n, -1)
+        d.q_lens[:bs].copy_(torch.where(live, count, 1))
+        d.ends[:bs].add_(torch.where(live, count, 0))
+
+    # ---- capture and launch -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> float:
+        start = time.perf_counter()
+        keys = [(bs, s) for s in self.shapes for bs in reversed(self.sizes[s])]
+        self.draft.live.zero_()
+        self.graphs, _ = capture_all(keys, self._run)
+        torch.cuda.synchronize(self.want.device)
+        seconds = time.perf_counter() - start
+        log.info("captured %d speculative-step CUDA graphs in %.1f s", len(self.graphs), seconds)
+        return seconds
+
+    def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
+        """Can these sequences run a step of this shape here (a captured batch size, plain greedy)?"""
+        return shape in self.sizes and len(seqs) <= self.sizes[shape][-1] and all(map(plain_greedy, seqs))
+
+    @torch.inference_mode()
+    def start(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+        """The first step of a run: draft inputs from the sequences' draft state (each has one uncomputed
+        token, its root). draws: synthetic acceptance's drafts to accept per row."""
+        self.proposer.settle(seqs, self.draft.q)
+        self.draft.fill(seqs)
+        self.tables_version = [len(s.block_table) for s in seqs]
+        return self._launch(seqs, shape, started, draws)
+
+    @torch.inference_mode()
+    def launch(self, flight: LoopFlight, started: float, draws: Optional[list[int]]) -> LoopFlight:
+        """The next step of the same rows, before flight's result is read (the engine has grown the block
+        tables to hold the most flight can accept plus this step's slots)."""
+        seqs = flight.seqs
+        lengths = [len(s.block_table) for s in seqs]
+        if lengths != self.tables_version:
+            tables = padded_tables([s.block_table for s in seqs])  # [rows, width]
+            self.draft.tables[:len(seqs), :tables.shape[1]].copy_(to_device(tables, torch.int32, self.want.device))
+            self.tables_version = lengths
+        return self._launch(seqs, flight.shape, started, draws)
+
+    def _launch(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+        bs = next(b for b in self.sizes[shape] if b >= len(seqs))
+        if draws is not None:
+            self.want[:len(draws)].copy_(to_device(draws, torch.long, self.want.device))
+        elif self._drawn:
+            self.want.fill_(-1)
+        self._drawn = draws is not None
+        self.graphs[(bs, shape)].replay()
+        self.launches += 1
+        self._flip = 1 - self._flip
+        host = self.host[self._flip]
+        host[:bs].copy_(self.result[:bs], non_blocking=True)
+        self.events[self._flip].record()
+        return LoopFlight(seqs, shape, host, self.events[self._flip], started)
+
+    def hand_back(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
+        """The run ends after its last step was read: each sequence's draft state as the synchronous path
+        leaves it. accepted[i]: what the last step accepted for seqs[i], or None for a sequence that finished
+        in an earlier step (the later steps' catch-up covered its kept pairs)."""
+        features = self.draft.features.clone()  # [B * Q, aux_dim]: the next catch-up's pairs
+        q = self.draft.q
+        for b, (seq, a) in enumerate(zip(seqs, accepted)):
+            if a is None:
+                seq.draft_state = DraftState(computed=seq.num_computed_tokens)
+            else:
+                seq.draft_state = DraftState(seq.num_computed_tokens - a - 1, [(features, range(b * q, b * q + a + 1))])
