@@ -106,3 +106,28 @@ def test_requests_arrive_finish_and_abort_mid_run(pair, prompts, plain, shape):
     assert len(done) >= len(prompts) - 1
     assert engine.spec.loop.launches > 10
     assert_pool_full(llm)
+
+
+def test_shape_switches_inside_a_run(pair, prompts, plain):
+    """The controller's shape changes every few steps (chains of 1-4 and the tree; plain now and then, which
+    ends a run): runs go on across the switches without draining, and every verdict equals the
+    synchronous path's."""
+    from specserve.speculative.controller import PLAIN
+
+    seen = {}
+    for loop in (True, False):
+        llm, seen[loop] = speculative(pair, loop, "tree")
+        spec, steps = llm.engine.spec, [0]
+        cycle = [s for s in spec.shapes if s.steps] * 2 + [PLAIN]
+
+        def choose(batch_size, prefill=None, steps=steps, cycle=cycle):
+            steps[0] += 1
+            return cycle[steps[0] // 3 % len(cycle)]
+
+        spec.choose = choose
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == plain
+        assert_pool_full(llm)
+        if loop:
+            assert spec.loop.launches > 20
+    assert seen[True] == seen[False]

@@ -273,13 +273,14 @@ class LLMEngine:
                 and self.spec.loop_fits([item.seq for item in batch], self.shape))
 
     def _loop_continues(self) -> bool:
-        """May the next speculative step launch before the one in flight is read: the same rows and shape, no
-        prompt waiting, and KV for the most the step in flight can accept plus the next step's slots?"""
+        """May the next speculative step launch before the one in flight is read: the same rows, a shape the
+        loop runs (it may differ from the one in flight), no prompt waiting, and KV for the most the step in
+        flight can accept plus the next step's slots?"""
         flight = self.flight
-        if (self.shape != flight.shape or self.flight_done or self.scheduler.running != flight.seqs
-                or self.scheduler.prefill_pending()):
+        if (self.shape.steps == 0 or self.flight_done or self.scheduler.running != flight.seqs
+                or self.scheduler.prefill_pending() or not self.spec.loop_fits(flight.seqs, self.shape)):
             return False
-        n, slots = self.shape.num_nodes, self.spec.num_slots(self.shape)
+        n, slots = flight.shape.num_nodes, self.spec.num_slots(self.shape)
         if any(seq.num_tokens + n + slots > self.config.model.max_model_len for seq in flight.seqs):
             return False
         if sum(self.blocks.new_blocks_needed(seq, n + slots) for seq in flight.seqs) > self.blocks.num_free_blocks:
@@ -290,8 +291,9 @@ class LLMEngine:
 
     def _loop_step(self, start: float) -> list[RequestOutput]:
         flight = self.flight
-        self.flight = self.spec.continue_loop(flight, start)
+        self.flight = self.spec.continue_loop(flight, self.shape, start)
         self.stats.num_steps += 1
+        self.stats.spec.last_k = self.shape.k
         emitted = self.stats.num_generation_tokens
         outputs, _ = self._loop_resolve(flight)
         # launch to launch, the wait for the step before included: one speculative step's time

@@ -130,9 +130,10 @@ class SpecDecoder:
         """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
         return self.loop.start(seqs, shape, started, self._draws(seqs))
 
-    def continue_loop(self, flight: LoopFlight, started: float) -> LoopFlight:
-        """Launch the next step of flight's rows before reading flight (KV reserved by the engine)."""
-        return self.loop.launch(flight, started, self._draws(flight.seqs))
+    def continue_loop(self, flight: LoopFlight, shape: Shape, started: float) -> LoopFlight:
+        """Launch the next step of flight's rows, of this shape, before reading flight (KV reserved by the
+        engine)."""
+        return self.loop.launch(flight, shape, started, self._draws(flight.seqs))
 
     def end_loop(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
         """The run's last step is read: hand the draft state back (see `SpecLoop.hand_back`)."""

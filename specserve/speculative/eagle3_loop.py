@@ -204,16 +204,17 @@ class SpecLoop:
         return self._launch(seqs, shape, started, draws)
 
     @torch.inference_mode()
-    def launch(self, flight: LoopFlight, started: float, draws: Optional[list[int]]) -> LoopFlight:
-        """The next step of the same rows, before flight's result is read (the engine has grown the block
-        tables to hold the most flight can accept plus this step's slots)."""
+    def launch(self, flight: LoopFlight, shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+        """The next step of the same rows, of any shape the loop runs (the draft inputs do not depend on it),
+        before flight's result is read (the engine has grown the block tables to hold the most flight can
+        accept plus this step's slots)."""
         seqs = flight.seqs
         lengths = [len(s.block_table) for s in seqs]
         if lengths != self.tables_version:
             tables = padded_tables([s.block_table for s in seqs])  # [rows, width]
             self.draft.tables[:len(seqs), :tables.shape[1]].copy_(to_device(tables, torch.int32, self.want.device))
             self.tables_version = lengths
-        return self._launch(seqs, flight.shape, started, draws)
+        return self._launch(seqs, shape, started, draws)
 
     def _launch(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
         bs = next(b for b in self.sizes[shape] if b >= len(seqs))
