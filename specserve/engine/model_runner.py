@@ -54,7 +54,6 @@ class ModelRunner:
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.follower = None  # rank 0 with speculation: the proposer's work in plain-decode graphs (a Follower)
         self.backend = config.execution.attention_backend
-        self.rng: Optional[torch.Generator] = None  # what unseeded sampling draws from (model.seed)
         self.sampler = Sampler()
         try:
             self._build()
@@ -64,9 +63,7 @@ class ModelRunner:
 
     def _build(self) -> None:
         config, ranks = self.config, self.ranks
-        self.rng = torch.Generator(device=self.device)
-        self.rng.manual_seed(config.model.seed)
-        self.sampler = Sampler(self.rng)
+        torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
         with building(ranks.tp if ranks else WHOLE):
             self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
                                     config.model.seed)
