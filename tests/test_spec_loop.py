@@ -11,7 +11,7 @@ from specserve import SamplingParams
 from .conftest import DEVICE, assert_pool_full, make_llm, mixed_prompts
 from .eagle_utils import make_pair
 
-pytestmark = pytest.mark.skipif(DEVICE["name"] != "cuda", reason="the chain loop runs in CUDA graphs")
+pytestmark = pytest.mark.skipif(DEVICE["name"] != "cuda", reason="the speculative loop runs in CUDA graphs")
 
 VOCAB = 64
 NEW = 40
