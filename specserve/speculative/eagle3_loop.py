@@ -106,7 +106,7 @@ class SpecLoop:
         on_path, final = self._verify(tokens, parents, logits.view(bs, n, -1), bits is None)
         verdict = path_verdict(tokens, on_path, final)
         if bits is not None:
-            self._move_kv(bs, slot_pos, verdict.path, on_path)
+            self._move_kv(bs, slot_pos, verdict.path)
         self._advance(bs, n, verdict, aux)
         self.result[:bs, 0].copy_(verdict.accept_len)
         self.result[:bs, 1:n + 1].copy_(verdict.out_tokens)
@@ -147,7 +147,7 @@ class SpecLoop:
         last = torch.where(on_path, nodes, 0).amax(1)  # [bs] a path's nodes increase
         return on_path, argmax.gather(1, last[:, None]).squeeze(1)
 
-    def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor, on_path: torch.Tensor) -> None:
+    def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor) -> None:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
         copy); everything else copies the scratch slot onto itself."""
         d = self.draft
