@@ -43,6 +43,20 @@ def test_stop_token_ids_and_max_tokens(llm, reference):
     assert_pool_full(llm)
 
 
+def test_engine_counts_its_steps_and_their_time(llm):
+    """The step counters /metrics exports (engine_steps, engine_step_seconds): time inside the engine's steps,
+    at most the wall time around them."""
+    import time
+
+    stats = llm.engine.stats
+    steps, seconds = stats.num_steps, stats.step_seconds
+    start = time.perf_counter()
+    llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    wall = time.perf_counter() - start
+    assert stats.num_steps - steps >= 5
+    assert 0 < stats.step_seconds - seconds <= wall
+
+
 def test_eos_stops_unless_ignored(hf_models):
     llm = make_llm(hf_models["llama"])
     prompts = mixed_prompts(16, 256, seed=11)

@@ -160,7 +160,8 @@ def test_health_models_metrics_and_keys(server, client):
                  "specserve:spec_decode_num_drafts_total", "specserve:spec_decode_num_draft_tokens_total",
                  "specserve:spec_decode_num_accepted_tokens_total", "specserve:spec_decode_k",
                  "specserve:prefix_cache_queries_total", "specserve:prefix_cache_hits_total",
-                 "specserve:prefix_cache_host_hits_total", "specserve:kv_host_usage_perc"):
+                 "specserve:prefix_cache_host_hits_total", "specserve:kv_host_usage_perc",
+                 "specserve:engine_steps_total", "specserve:engine_step_seconds_total"):
         assert name in text, name
     info = server.info()
     assert info["config"]["max_model_len"] == 1024 and "avg_spec_accept_length" in info

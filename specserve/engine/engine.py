@@ -206,6 +206,13 @@ class LLMEngine:
         """Run one step; return the outputs it completed. With overlap on, a plain step (and a greedy
         speculative step in a run of them) returns the outputs of the step before it, whose host work ran while this
         one was on the device."""
+        entered = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.stats.step_seconds += time.perf_counter() - entered
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.spec is not None:
             self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prefill_pending)

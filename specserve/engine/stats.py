@@ -67,6 +67,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # prompt tokens computed (recomputation after preemption included)
     num_generation_tokens: int = 0  # output tokens delivered to requests
     num_steps: int = 0
+    step_seconds: float = 0.0  # wall time spent inside LLMEngine.step
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

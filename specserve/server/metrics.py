@@ -77,6 +77,9 @@ def engine_values(core) -> list[tuple[type, str, str, float]]:
         (counter, "prompt_tokens", "Prompt tokens computed", stats.num_prompt_tokens),
         (counter, "generation_tokens", "Output tokens generated", stats.num_generation_tokens),
         (counter, "num_preemptions", "Requests preempted", stats.num_preemptions),
+        (counter, "engine_steps", "Engine steps run", stats.num_steps),
+        (counter, "engine_step_seconds", "Wall seconds the engine spent inside its steps (against the server's "
+         "uptime: how busy the engine thread is)", stats.step_seconds),
         (counter, "spec_decode_num_drafts", "Speculative verifies (one per request)", spec.num_drafts),
         (counter, "spec_decode_num_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens),
         (counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
