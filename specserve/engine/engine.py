@@ -237,7 +237,7 @@ class LLMEngine:
             return outputs
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
         if self._loop_starts(batch, speculating):
-            self.flight = self.spec.start_loop([item.seq for item in batch], self.shape, start)
+            self.flight = self.spec.start_loop([item.seq for item in batch], self.shape)
             self.stats.num_steps += 1
             self.stats.spec.last_k = self.shape.k
             return outputs
@@ -285,7 +285,7 @@ class LLMEngine:
         flight can accept plus the next step's slots?"""
         flight = self.flight
         if (self.shape.steps == 0 or self.flight_done or self.scheduler.running != flight.seqs
-                or self.scheduler.prefill_pending() or not self.spec.loop_fits(flight.seqs, self.shape)):
+                or self.scheduler.prefill_pending() or not self.spec.loop_runs(self.shape, len(flight.seqs))):
             return False
         n, slots = flight.shape.num_nodes, self.spec.num_slots(self.shape)
         if any(seq.num_tokens + n + slots > self.config.model.max_model_len for seq in flight.seqs):
@@ -298,7 +298,7 @@ class LLMEngine:
 
     def _loop_step(self, start: float) -> list[RequestOutput]:
         flight = self.flight
-        self.flight = self.spec.continue_loop(flight, self.shape, start)
+        self.flight = self.spec.continue_loop(flight, self.shape)
         self.stats.num_steps += 1
         self.stats.spec.last_k = self.shape.k
         emitted = self.stats.num_generation_tokens

@@ -21,7 +21,7 @@ from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
 from .calibration import Calibration, calibrate
 from .controller import PLAIN, Controller, Shape, candidate_shapes
-from .eagle3_loop import LoopFlight, SpecLoop
+from .eagle3_loop import LoopFlight
 from .tree import DraftTree
 from .verify import Verdict
 
@@ -48,7 +48,7 @@ class SpecDecoder:
             spec.speculative_disable_batch_threshold)
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
-        self.loop: Optional[SpecLoop] = None  # greedy speculative steps in the overlap pipeline (CUDA graphs)
+        self.loop = None  # greedy speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -67,9 +67,8 @@ class SpecDecoder:
         most = self.config.model.max_model_len + max(self.num_slots(s) for s in shapes) + 1
         block = self.runner.block_size
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
-        if self.runner.ranks is None and getattr(self.proposer, "graphs", None) is not None:
-            self.loop = SpecLoop(self.proposer, self.runner.graphs, self.runner.kv_cache)
-            self.loop.capture()
+        if self.runner.ranks is None:  # under tensor parallelism every rank would need the loop's verdicts
+            self.loop = self.proposer.make_loop(self.runner.graphs, self.runner.kv_cache)
 
     def make_follower(self):
         """The proposer's follower for the target's plain-decode graphs, or None (see Proposer)."""
@@ -126,14 +125,18 @@ class SpecDecoder:
         """Can seqs run speculative steps of this shape with the host one step behind?"""
         return self.loop is not None and self.loop.fits(seqs, shape)
 
-    def start_loop(self, seqs: list[Sequence], shape: Shape, started: float) -> LoopFlight:
-        """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
-        return self.loop.start(seqs, shape, started, self._draws(seqs))
+    def loop_runs(self, shape: Shape, rows: int) -> bool:
+        """Can a run of this many rows go on with a step of this shape?"""
+        return self.loop.runs(shape, rows)
 
-    def continue_loop(self, flight: LoopFlight, shape: Shape, started: float) -> LoopFlight:
+    def start_loop(self, seqs: list[Sequence], shape: Shape) -> LoopFlight:
+        """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
+        return self.loop.start(seqs, shape, self._draws(seqs))
+
+    def continue_loop(self, flight: LoopFlight, shape: Shape) -> LoopFlight:
         """Launch the next step of flight's rows, of this shape, before reading flight (KV reserved by the
         engine)."""
-        return self.loop.launch(flight, shape, started, self._draws(flight.seqs))
+        return self.loop.launch(flight, shape, self._draws(flight.seqs))
 
     def end_loop(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
         """The run's last step is read: hand the draft state back (see `SpecLoop.hand_back`)."""

@@ -48,7 +48,6 @@ class LoopFlight:
     shape: Shape
     host: torch.Tensor  # [rows, N + 1] pinned: accept length, then the output tokens (-1 past them)
     event: torch.cuda.Event  # recorded after the copy to `host`
-    started: float  # perf_counter when its step began
 
     def read(self) -> list[tuple[int, list[int]]]:
         """Per row: drafts accepted, and the tokens the step emits (the accepted drafts, then the target's)."""
@@ -191,20 +190,24 @@ class SpecLoop:
         return seconds
 
     def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
-        """Can these sequences run a step of this shape here (a captured batch size, plain greedy)?"""
-        return shape in self.sizes and len(seqs) <= self.sizes[shape][-1] and all(map(plain_greedy, seqs))
+        """Can these sequences start a run of this shape (a captured batch size, plain greedy)?"""
+        return self.runs(shape, len(seqs)) and all(map(plain_greedy, seqs))
+
+    def runs(self, shape: Shape, rows: int) -> bool:
+        """Can a run of this many rows go on with a step of this shape (a graph of it holds them)?"""
+        return shape in self.sizes and rows <= self.sizes[shape][-1]
 
     @torch.inference_mode()
-    def start(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+    def start(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
         """The first step of a run: draft inputs from the sequences' draft state (each has one uncomputed
         token, its root). draws: synthetic acceptance's drafts to accept per row."""
         self.proposer.settle(seqs, self.draft.q)
         self.draft.fill(seqs)
         self.tables_version = [len(s.block_table) for s in seqs]
-        return self._launch(seqs, shape, started, draws)
+        return self._launch(seqs, shape, draws)
 
     @torch.inference_mode()
-    def launch(self, flight: LoopFlight, shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+    def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
         """The next step of the same rows, of any shape the loop runs (the draft inputs do not depend on it),
         before flight's result is read (the engine has grown the block tables to hold the most flight can
         accept plus this step's slots)."""
@@ -214,9 +217,9 @@ class SpecLoop:
             tables = padded_tables([s.block_table for s in seqs])  # [rows, width]
             self.draft.tables[:len(seqs), :tables.shape[1]].copy_(to_device(tables, torch.int32, self.want.device))
             self.tables_version = lengths
-        return self._launch(seqs, shape, started, draws)
+        return self._launch(seqs, shape, draws)
 
-    def _launch(self, seqs: list[Sequence], shape: Shape, started: float, draws: Optional[list[int]]) -> LoopFlight:
+    def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
         bs = next(b for b in self.sizes[shape] if b >= len(seqs))
         if draws is not None:
             self.want[:len(draws)].copy_(to_device(draws, torch.long, self.want.device))
@@ -229,7 +232,7 @@ class SpecLoop:
         host = self.host[self._flip]
         host[:bs].copy_(self.result[:bs], non_blocking=True)
         self.events[self._flip].record()
-        return LoopFlight(seqs, shape, host, self.events[self._flip], started)
+        return LoopFlight(seqs, shape, host, self.events[self._flip])
 
     def hand_back(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
         """The run ends after its last step was read: each sequence's draft state as the synchronous path

@@ -155,6 +155,15 @@ class Eagle3Proposer(Proposer):
         self.graphs = DraftGraphs(self, shapes, max_bs, max_blocks, self.scratch_slot)
         self.graphs.capture()
 
+    def make_loop(self, target_graphs, kv_cache: torch.Tensor):
+        if self.graphs is None:
+            return None
+        from .eagle3_loop import SpecLoop
+
+        loop = SpecLoop(self, target_graphs, kv_cache)
+        loop.capture()
+        return loop
+
     # ---- drafting -----------------------------------------------------------------------------
     def settle(self, seqs: list[Sequence], within: int = 1) -> None:
         """Bring every sequence whose draft is more than `within` pairs behind the target to one pair

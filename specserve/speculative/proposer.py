@@ -68,6 +68,12 @@ class Proposer(ABC):
         """Capture drafting of these shapes for batches up to max_bs in CUDA graphs (max_blocks: the
         longest block table a sequence can have); a proposer that cannot drafts eagerly."""
 
+    def make_loop(self, target_graphs, kv_cache: torch.Tensor):
+        """After `capture_graphs`: whole greedy speculative steps captured with the target's graphs
+        (target_graphs, a GraphRunner; kv_cache the target's), for the overlap pipeline (a SpecLoop,
+        speculative/eagle3_loop.py), or None: speculative steps then run one at a time."""
+        return None
+
     # ---- prefix caching: the draft's state follows the target's blocks --------------------------
     def cached_tokens(self, seq: Sequence) -> int:
         """How many of seq's leading positions have final draft-side state in the cache (its KV slots,
