@@ -17,17 +17,36 @@ from torch import nn
 
 
 @dataclass
+class PaddedRows:
+    """Sequences of similar query length, attended in one padded SDPA call."""
+
+    out_index: torch.Tensor  # [num_valid] flat token index of each valid query, row-major
+    query_index: torch.Tensor  # [rows, max_q] flat token index of each padded query (pad -> 0)
+    query_valid: torch.Tensor  # [rows, max_q] bool
+    kv_slots: torch.Tensor  # [rows, max_kv] cache slot of each context position (pad -> slot of position 0)
+    mask: torch.Tensor  # [rows, 1, max_q, max_kv] bool, True = may attend
+
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+        keys = cache[0, self.kv_slots].transpose(1, 2)  # [rows, kv_heads, max_kv, head_dim]
+        values = cache[1, self.kv_slots].transpose(1, 2)
+        queries = q[self.query_index].transpose(1, 2)  # [rows, heads, max_q, head_dim]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)[self.query_valid]  # [num_valid, heads, head_dim]
+
+
+@dataclass
 class AttentionMetadata:
+    """A step's padded attention: the rows are grouped by query length (up to 16, then powers of two), so a step
+    mixing a long prefill chunk with single decode tokens does not pad every decode row to the chunk."""
+
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     block_tables: torch.Tensor  # [batch, max_blocks]
-    query_index: torch.Tensor  # [batch, max_q] flat token index of each padded query (pad -> 0)
-    query_valid: torch.Tensor  # [batch, max_q] bool
-    kv_slots: torch.Tensor  # [batch, max_kv] cache slot of each context position (pad -> slot of position 0)
-    mask: torch.Tensor  # [batch, 1, max_q, max_kv] bool, True = may attend
+    groups: list[PaddedRows]
 
     def without_first_key(self) -> "AttentionMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
-        self.mask[:, 0, :, 0] &= ~self.query_valid
+        for g in self.groups:
+            g.mask[:, 0, :, 0] &= ~g.query_valid
         return self
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -35,12 +54,13 @@ class AttentionMetadata:
         # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]
         cache[0, self.slot_mapping] = k
         cache[1, self.slot_mapping] = v
-        keys = cache[0, self.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_kv, head_dim]
-        values = cache[1, self.kv_slots].transpose(1, 2)
-        queries = q[self.query_index].transpose(1, 2)  # [batch, heads, max_q, head_dim]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return out.transpose(1, 2)[self.query_valid]  # [T, heads, head_dim]
+        gqa = q.shape[1] != k.shape[1]
+        if len(self.groups) == 1:
+            return self.groups[0].attend(q, cache, scale, gqa)
+        out = q.new_empty(q.shape)
+        for g in self.groups:
+            out = out.index_put((g.out_index,), g.attend(q, cache, scale, gqa))
+        return out
 
 
 BACKENDS = ("torch", "triton")
@@ -58,36 +78,50 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[li
         from .triton_attention import build_triton_metadata
 
         return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks)
-    batch = len(q_lens)
-    max_q, max_kv = max(q_lens), max(seq_lens)
-    max_blocks = -(-max_kv // block_size)
-    tables = torch.zeros(batch, max_blocks, dtype=torch.long)
-    slots, qidx = [], torch.zeros(batch, max_q, dtype=torch.long)
-    qvalid = torch.zeros(batch, max_q, dtype=torch.bool)
-    qpos = torch.zeros(batch, max_q, dtype=torch.long)
-    kvlen = torch.tensor(seq_lens, dtype=torch.long)
-    start = 0
+    max_blocks = -(-max(seq_lens) // block_size)
+    tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.long)
+    slots, starts, start = [], [], 0
     for i, (q, n, table) in enumerate(zip(q_lens, seq_lens, block_tables)):
         tables[i, :len(table)] = torch.tensor(table[:max_blocks], dtype=torch.long)
         pos = torch.arange(n - q, n)
         slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
-        qidx[i, :q] = torch.arange(start, start + q)
-        qvalid[i, :q] = True
-        qpos[i, :q] = pos
+        starts.append(start)
         start += q
+    by_length: dict[int, list[int]] = {}
+    for i, q in enumerate(q_lens):
+        by_length.setdefault(max(0, (q - 1).bit_length() - 4), []).append(i)  # 1-16 together, then 17-32, ...
+    groups = [_padded_rows(rows, q_lens, seq_lens, starts, tables, block_size, tree_masks, device)
+              for _, rows in sorted(by_length.items())]
+    return AttentionMetadata(slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+                             groups=groups)
+
+
+def _padded_rows(rows: list[int], q_lens: list[int], seq_lens: list[int], starts: list[int], tables: torch.Tensor,
+                 block_size: int, tree_masks: Optional[list[Optional[torch.Tensor]]],
+                 device: torch.device) -> PaddedRows:
+    """The padded tensors of one group of rows (indices into the step's sequences)."""
+    max_q, max_kv = max(q_lens[i] for i in rows), max(seq_lens[i] for i in rows)
+    qidx = torch.zeros(len(rows), max_q, dtype=torch.long)
+    qvalid = torch.zeros(len(rows), max_q, dtype=torch.bool)
+    qpos = torch.zeros(len(rows), max_q, dtype=torch.long)
+    kvlen = torch.tensor([seq_lens[i] for i in rows], dtype=torch.long)
+    for r, i in enumerate(rows):
+        q, n = q_lens[i], seq_lens[i]
+        qidx[r, :q] = torch.arange(starts[i], starts[i] + q)
+        qvalid[r, :q] = True
+        qpos[r, :q] = torch.arange(n - q, n)
     key = torch.arange(max_kv)
-    kv_slots = tables[:, key // block_size] * block_size + key % block_size
+    kv_slots = tables[rows][:, key // block_size] * block_size + key % block_size
     mask = (key[None, None, :] <= qpos[:, :, None]) & (key[None, None, :] < kvlen[:, None, None])
     if tree_masks is not None:
-        for i, tree in enumerate(tree_masks):
+        for r, i in enumerate(rows):
+            tree = tree_masks[i]
             if tree is not None:
                 q, n, m = q_lens[i], seq_lens[i], tree.shape[1]
-                mask[i, :q, n - m:n] = tree.cpu()
+                mask[r, :q, n - m:n] = tree.cpu()
     mask |= ~qvalid[:, :, None] & (key[None, None, :] == 0)  # padded rows attend somewhere: no NaN
-    return AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
-        query_index=qidx.to(device), query_valid=qvalid.to(device), kv_slots=kv_slots.to(device),
-        mask=mask.unsqueeze(1).to(device))
+    return PaddedRows(out_index=qidx[qvalid].to(device), query_index=qidx.to(device), query_valid=qvalid.to(device),
+                      kv_slots=kv_slots.to(device), mask=mask.unsqueeze(1).to(device))
 
 
 class Attention(nn.Module):
