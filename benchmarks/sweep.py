@@ -51,6 +51,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
         "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",
                           speculative_disable_batch_threshold=threshold),
         "adaptive": dict(spec, speculative_num_steps=3, speculative_policy="adaptive"),
+        "adaptive-tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
+                              speculative_policy="adaptive"),  # plain, chains of 1-5 and the tree
         "k0": dict(spec, speculative_num_steps=3, speculative_policy="threshold",  # never drafts
                    speculative_disable_batch_threshold=0),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),

@@ -7,7 +7,8 @@ accepted at synthetic rates (`speculative_synthetic_acceptance_rates`; random we
     python benchmarks/synthetic_sweep.py --plot sweep_8b.png --merge part1.json part2.json --out all.json
 
 For each configuration (plain, a chain of 3 speculating every step, the default tree speculating every
-step, the threshold policy at SGLang's batch threshold, and the adaptive controller) and each acceptance
+step, the threshold policy at SGLang's batch threshold, the adaptive controller over plain and chains of
+1-3, and over plain, chains of 1-5 and the tree: `adaptive-tree`) and each acceptance
 profile, one engine keeps C requests in flight (closed loop) until max(requests, C) have finished, at
 every level C; output tokens/s per level. The prefix cache is off unless `--prefix-caching`: the levels
 reuse one prompt list, so with it on, later levels and profiles would skip prefills earlier ones paid.
@@ -22,6 +23,9 @@ Profiles (entry i: probability that the first i+1 drafts are accepted):
 - weak: chain 0.4 0.2 0.1; strong: chain 0.9 0.8 0.7. Their tree rates (five positions) are assumptions,
   continuing the chain's last conditional rate and, as the shipped pair's tree does over its chain,
   accepting the first draft more often: weak 0.5 0.25 0.12 0.06 0.03, strong 0.95 0.88 0.8 0.72 0.64.
+A tree configuration's chain candidates (`adaptive-tree`: the adaptive policy choosing among plain, chains
+of 1-5 and the tree) accept at the profile's chain rates, continued to five drafts the same way
+(`speculative_synthetic_chain_rates`), not at the tree's.
 
 Per level the JSON keeps output tokens/s, per-request tokens/s spread, mean k, decode steps and the mean
 wall time of a step, the measured acceptance length, and the engine's draft / verify seconds.
@@ -91,9 +95,29 @@ def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids:
             "request_tok_s": {"min": rates[0], "median": rates[len(rates) // 2], "max": rates[-1]}}
 
 
-def set_profile(engine, rates: tuple[float, ...]) -> None:
+def extended(rates: tuple[float, ...], depth: int) -> tuple[float, ...]:
+    """A profile's chain rates to `depth` drafts, continuing the last conditional rate."""
+    cond = rates[-1] / rates[-2] if len(rates) > 1 and rates[-2] > 0 else rates[-1]
+    out = list(rates[:depth])
+    while len(out) < depth:
+        out.append(round(out[-1] * cond, 4))
+    return tuple(out)
+
+
+def profile_rates(profile: str, options: dict) -> dict:
+    """The synthetic-acceptance options of a configuration under a profile: a tree's rates, and for its
+    chain candidates (the adaptive policy's) the profile's chain rates to the tree's depth."""
+    if options.get("speculative_eagle_topk", 1) == 1:
+        return {"speculative_synthetic_acceptance_rates": PROFILES[profile]["chain"]}
+    return {"speculative_synthetic_acceptance_rates": PROFILES[profile]["tree"],
+            "speculative_synthetic_chain_rates": extended(PROFILES[profile]["chain"], options["speculative_num_steps"])}
+
+
+def set_profile(engine, rates: dict) -> None:
     """Switch the engine's synthetic acceptance and make its controller learn acceptance afresh."""
-    engine.spec.synthetic.rates = rates
+    synthetic = engine.spec.synthetic
+    synthetic.rates = rates["speculative_synthetic_acceptance_rates"]
+    synthetic.chain_rates = rates.get("speculative_synthetic_chain_rates", synthetic.rates)
     engine.spec.controller.forget_acceptance()
 
 
@@ -115,7 +139,7 @@ def sweep(args) -> dict:
     for name in args.configs.split(","):
         shape = "tree" if configs[name].get("speculative_eagle_topk", 1) > 1 else "chain"
         plain = name.startswith("plain")
-        synthetic = {} if plain else {"speculative_synthetic_acceptance_rates": PROFILES["shipped"][shape]}
+        synthetic = {} if plain else profile_rates("shipped", configs[name])
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig.from_options(
             model=args.model, load_format="dummy", device=args.device, max_num_seqs=max(levels),
@@ -127,7 +151,7 @@ def sweep(args) -> dict:
         for profile, n in runs:
             key = f"{name}/{profile}" + (f"@pass{n}" if n > 1 else "")
             if profile != "none":
-                set_profile(engine, PROFILES[profile][shape])
+                set_profile(engine, profile_rates(profile, configs[name]))
             run_level(engine, args.warmup, args.warmup, args.max_tokens, prompt_ids[::-1])
             results[key] = {"startup_s": startup, "rates": PROFILES.get(profile, {}).get(shape), "levels": {}}
             for c, n in zip(levels, requests):

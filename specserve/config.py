@@ -95,6 +95,9 @@ class SpeculativeConfig:
     speculative_synthetic_acceptance_rates: Optional[tuple[float, ...]] = _opt(
         None, "benchmarks only: accept drafts at these per-position rates instead of verifying them (entry i = "
               "probability that the first i+1 drafts are accepted; one per draft step; output text is meaningless)")
+    speculative_synthetic_chain_rates: Optional[tuple[float, ...]] = _opt(
+        None, "benchmarks only: with a tree configured, the rates its chain candidates (adaptive policy) accept at, "
+              "one per draft step (default: the tree's rates; a chain accepts less than a tree of the same drafter)")
 
     @property
     def enabled(self) -> bool:
@@ -104,8 +107,11 @@ class SpeculativeConfig:
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         if s < 1 or k < 1:
             raise ConfigError(f"speculative_num_steps ({s}) and speculative_eagle_topk ({k}) must be >= 1")
-        if self.speculative_synthetic_acceptance_rates is not None:
-            self._validate_rates(self.speculative_synthetic_acceptance_rates)
+        for name in ("speculative_synthetic_acceptance_rates", "speculative_synthetic_chain_rates"):
+            if getattr(self, name) is not None:
+                self._validate_rates(name, getattr(self, name))
+        if self.speculative_synthetic_chain_rates is not None and self.speculative_synthetic_acceptance_rates is None:
+            raise ConfigError("speculative_synthetic_chain_rates needs speculative_synthetic_acceptance_rates")
         if n is None:
             return
         if k == 1 and n != s + 1:
@@ -116,8 +122,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_num_draft_tokens {n} must be in [2, {most}] for "
                               f"{s} steps with topk {k}")
 
-    def _validate_rates(self, rates: tuple[float, ...]) -> None:
-        name, depth = "speculative_synthetic_acceptance_rates", self.speculative_num_steps
+    def _validate_rates(self, name: str, rates: tuple[float, ...]) -> None:
+        depth = self.speculative_num_steps
         if len(rates) != depth:
             raise ConfigError(f"{name} has {len(rates)} entries; it needs one per draft step "
                               f"(speculative_num_steps = {depth})")

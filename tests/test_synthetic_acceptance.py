@@ -24,6 +24,17 @@ def test_draws_follow_the_rates():
         assert abs(sum(d > i for d in draws) / n - rate) < 0.002
 
 
+def test_chains_of_a_tree_configuration_draw_their_own_rates():
+    synthetic = SyntheticAcceptance(TREE, seed=1, chain_rates=CHAIN + (0.46, 0.40))
+    n = 20000
+    draws = [(tree, synthetic.draw(tree)) for tree in (i % 3 == 0 for i in range(3 * n))]  # interleaved
+    for tree, rates in ((True, TREE), (False, CHAIN + (0.46, 0.40))):
+        got = [d for t, d in draws if t == tree]
+        for i, rate in enumerate(rates):
+            assert abs(sum(d > i for d in got) / len(got) - rate) < 0.01, (tree, i)
+    assert SyntheticAcceptance(CHAIN).draw(False) == SyntheticAcceptance(CHAIN).draw(True)  # default: one set
+
+
 def test_tree_children_rank_the_spine_first():
     scores = SyntheticAcceptance(TREE).child_scores(2, 4, "cpu")  # conditional 0.70 / 0.88 at depth 2
     assert scores.argmax() == 0 and abs(scores[0].exp() - 0.70 / 0.88) < 1e-6
@@ -72,6 +83,18 @@ def test_shorter_chains_use_the_leading_rates():
 def test_bad_rates_are_refused(rates, message):
     with pytest.raises(ConfigError, match=message):
         EngineConfig.from_options(speculative_algorithm="EAGLE3", speculative_synthetic_acceptance_rates=rates)
+
+
+def test_chain_rates_are_checked_like_the_rates():
+    tree = dict(speculative_algorithm="EAGLE3", speculative_num_steps=5, speculative_eagle_topk=4)
+    with pytest.raises(ConfigError, match="speculative_synthetic_chain_rates .*one per draft step"):
+        EngineConfig.from_options(**tree, speculative_synthetic_acceptance_rates=TREE,
+                                  speculative_synthetic_chain_rates=CHAIN)
+    with pytest.raises(ConfigError, match="needs speculative_synthetic_acceptance_rates"):
+        EngineConfig.from_options(**tree, speculative_synthetic_chain_rates=TREE)
+    config = EngineConfig.from_options(**tree, speculative_synthetic_acceptance_rates=TREE,
+                                       speculative_synthetic_chain_rates="0.77,0.61,0.53,0.46,0.4")
+    assert config.speculative.speculative_synthetic_chain_rates == CHAIN + (0.46, 0.4)
 
 
 def test_rates_need_speculation(tmp_path):

@@ -7,8 +7,9 @@ def make_synthetic(config):
     """The synthetic acceptance the configuration asks for (benchmarks), or None."""
     from .synthetic import SyntheticAcceptance
 
-    rates = config.speculative.speculative_synthetic_acceptance_rates
-    return SyntheticAcceptance(tuple(rates), config.model.seed) if rates else None
+    spec = config.speculative
+    rates, chains = spec.speculative_synthetic_acceptance_rates, spec.speculative_synthetic_chain_rates
+    return SyntheticAcceptance(tuple(rates), config.model.seed, tuple(chains) if chains else None) if rates else None
 
 
 def make_proposer(config, target_arch, runner, synthetic=None):

@@ -40,8 +40,9 @@ class SpecDecoder:
         self.stats = stats
         self.synthetic = make_synthetic(config)
         if self.synthetic is not None:
-            log.warning("SYNTHETIC ACCEPTANCE: drafts are accepted at rates %s, not verified; output text is "
-                        "meaningless (benchmarks only)", list(self.synthetic.rates))
+            log.warning("SYNTHETIC ACCEPTANCE: drafts are accepted at rates %s (chains %s), not verified; output "
+                        "text is meaningless (benchmarks only)", list(self.synthetic.rates),
+                        list(self.synthetic.chain_rates))
         self.proposer = make_proposer(config, target_arch, runner, self.synthetic)
         self.controller = Controller(spec.speculative_policy, candidate_shapes(
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
@@ -131,19 +132,19 @@ class SpecDecoder:
 
     def start_loop(self, seqs: list[Sequence], shape: Shape) -> LoopFlight:
         """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
-        return self.loop.start(seqs, shape, self._draws(seqs))
+        return self.loop.start(seqs, shape, self._draws(seqs, shape))
 
     def continue_loop(self, flight: LoopFlight, shape: Shape) -> LoopFlight:
         """Launch the next step of flight's rows, of this shape, before reading flight (KV reserved by the
         engine)."""
-        return self.loop.launch(flight, shape, self._draws(flight.seqs))
+        return self.loop.launch(flight, shape, self._draws(flight.seqs, shape))
 
     def end_loop(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
         """The run's last step is read: hand the draft state back (see `SpecLoop.hand_back`)."""
         self.loop.hand_back(seqs, accepted)
 
-    def _draws(self, seqs: list[Sequence]) -> Optional[list[int]]:
-        return [self.synthetic.draw() for _ in seqs] if self.synthetic is not None else None
+    def _draws(self, seqs: list[Sequence], shape: Shape) -> Optional[list[int]]:
+        return [self.synthetic.draw(shape.topk > 1) for _ in seqs] if self.synthetic is not None else None
 
     def _move_branches(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
         """Move the KV of each accepted tree branch to the positions after the prefix, all in one copy."""

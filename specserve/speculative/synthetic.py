@@ -4,8 +4,10 @@ Random weights accept nothing, so no figure of speculation at a real model size 
 a real checkpoint. With `speculative_synthetic_acceptance_rates` every forward pass runs as usual; only
 the accept decision is drawn: rates[i] is the unconditional probability that the first i+1 drafts are
 all accepted (vLLM's `synthetic_acceptance_rates`), so the rates are non-increasing and one entry per
-draft depth. The emitted tokens are the accepted drafts and one target token (the target's argmax or
-sample after the last accepted node): the text is meaningless, the step costs are real.
+draft depth. A tree configuration's chain candidates (the adaptive policy's) may accept at rates of their
+own (`speculative_synthetic_chain_rates`): a chain accepts less than a tree of the same drafter. The emitted
+tokens are the accepted drafts and one target token (the target's argmax or sample after the last accepted
+node): the text is meaningless, the step costs are real.
 
 One draw per verify: u in [0, 1), accepted = #{i : u < rates[i]}, which gives P(accepted > i) = rates[i]
 exactly. u comes from a golden-ratio (Weyl) sequence with a seeded start, so the measured per-position
@@ -21,6 +23,7 @@ distribution is nearly flat, the tree would otherwise be broad and two levels de
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -33,17 +36,18 @@ GOLDEN = (math.sqrt(5) - 1) / 2
 class SyntheticAcceptance:
     """Accepts drafts at configured per-position rates; see the module docstring."""
 
-    def __init__(self, rates: tuple[float, ...], seed: int = 0):
+    def __init__(self, rates: tuple[float, ...], seed: int = 0, chain_rates: Optional[tuple[float, ...]] = None):
         self.rates = rates
+        self.chain_rates = chain_rates or rates  # what chains accept where the configured shape is a tree
         self.draws = 0
         self._scores: dict = {}  # (rates, depth, k, device) -> child_scores, made once
         self.start = (seed * GOLDEN + 0.5) % 1.0
 
-    def draw(self) -> int:
-        """How many drafts the next verify accepts (before the tree's own depth limits it)."""
+    def draw(self, tree: bool = False) -> int:
+        """How many drafts the next verify of a tree (or a chain) accepts (before its own depth limits it)."""
         u = (self.start + self.draws * GOLDEN) % 1.0
         self.draws += 1
-        return sum(1 for r in self.rates if u < r)
+        return sum(1 for r in (self.rates if tree else self.chain_rates) if u < r)
 
     def child_scores(self, depth: int, k: int, device: torch.device) -> torch.Tensor:
         """[k] log-scores of a node's children ranked best first, for draft depth `depth` (1-based)."""
@@ -65,7 +69,7 @@ class SyntheticAcceptance:
         first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
 
-        want = to_device([self.draw() for _ in range(tokens.shape[0])], torch.long, tokens.device)  # [B]
+        want = to_device([self.draw(not chains) for _ in range(tokens.shape[0])], torch.long, tokens.device)  # [B]
         on_path, node = spine_path(parents, want)
         b, dev = tokens.shape[0], tokens.device
         at = None if positions is None else to_device(positions, torch.long, dev) + on_path.sum(1) - 1  # [B]
