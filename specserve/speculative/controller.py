@@ -19,11 +19,10 @@ Policies:
   than measured at start-up, on long contexts or beside a server's host work, must not make plain
   look dearer too).
   Steps that also compute prompt tokens decode plain (as SGLang speculates only in decode batches): such a
-  step runs eagerly beside the prefill, its verify tokens and the draft's catch-up over the new prompts
-  add to it, and with short requests most steps are such steps (on the 2-core CPU, prompts of ~240 tokens
-  and 64-token answers at C=16: chain-3's decode-only steps took 0.81x plain's time for its tokens, its
-  steps with a prefill 2x; speculating only in decode-only steps took adaptive from 0.83x to 1.02x plain).
-  Only decode-only steps are timed and decided on.
+  step runs synchronously beside the prefill, outside the overlapped loop, and its verify tokens add
+  compute to a step the prompt already made compute-bound. Only decode-only steps are timed and decided
+  on. (Keeping the bucket's choice beside prefills was tried on the H200, 8B shape: it gained 4-5% where
+  requests arrive every few steps, C = 5-10, and lost 5-12% at C >= 70, where most steps carry a prompt.)
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
