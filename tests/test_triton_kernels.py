@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specserve.layers import triton_attention
-from specserve.layers.attention import build_metadata
+from specserve.layers.attention import TritonBackend, build_metadata
 
 from .conftest import DEVICE
 
@@ -49,8 +49,7 @@ def run_case(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, trees=False, bl
     scale = head_dim ** -0.5
     ref_cache = cache.clone()
     ref = build_metadata(q_lens, seq_lens, tables, block_size, device, masks).attend(q, k, v, ref_cache, scale)
-    meta = build_metadata(q_lens, seq_lens, tables, block_size, device, masks, backend="triton",
-                          group=heads // kv_heads)
+    meta = TritonBackend().metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads, masks)
     out = meta.attend(q, k, v, cache, scale)
     assert torch.equal(cache, ref_cache), "KV written to different slots"
     err = (out.float() - ref.float()).norm() / ref.float().norm()

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..device import to_device
-from ..layers.attention import build_metadata
+from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
@@ -53,7 +53,7 @@ class ModelRunner:
         self.graphs: Optional[GraphRunner] = None
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.follower = None  # rank 0 with speculation: the proposer's work in plain-decode graphs (a Follower)
-        self.backend = config.execution.attention_backend
+        self.backend = attention_backend(config.execution.attention_backend)
         self.sampler = Sampler()
         try:
             self._build()
@@ -105,7 +105,7 @@ class ModelRunner:
         the plain-decode graphs run for the proposer (a Follower, speculative/proposer.py; rank 0's)."""
         self.follower = follower
         ex = self.config.execution
-        if self.device.type != "cuda" or ex.enforce_eager or ex.attention_backend != "triton":
+        if self.device.type != "cuda" or ex.enforce_eager or not self.backend.graphs:
             return
         if not self.model.supports_cuda_graphs:
             log.warning("no CUDA graphs: %s runs eagerly (%s)", type(self.model).__name__,
@@ -229,8 +229,8 @@ class ModelRunner:
         if key is not None:
             return self.graphs.replay(key, step, self.resolve_pending)
         trees = step.trees if any(t is not None for t in step.trees) else None
-        meta = build_metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device, trees,
-                              self.backend, self.group)
+        meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
+                                     self.group, trees)
         aux_layers = self._own_aux(aux_layers)
         hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta,
                                  aux_layers)

@@ -1,7 +1,12 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, behind one small interface.
 
-The model runner builds one `AttentionMetadata` per step; every layer's `Attention` writes the step's
-keys and values into its cache slots and attends over each sequence's cached context. A step may hold
+An `AttentionBackend` (`attention_backend(name)`, chosen once from the configuration) builds one metadata
+object per step; every layer's `Attention` hands it the step's queries, keys and values, and the metadata
+writes the keys and values into their cache slots and attends over each sequence's cached context. Two
+backends: "torch" (padded SDPA over gathered KV, this file: any device, differentiable) and "triton" (the
+paged CUDA kernel of triton_attention, whose fixed-shape metadata the CUDA graphs also replay). A
+backend whose metadata `fuses_kv_write` lets the model write rotated keys and the values into the cache in
+one kernel and pass `kv_written=True`. A step may hold
 prefill chunks, single decode tokens and several verify tokens per sequence at once. `tree_masks[i]`
 ([q_len, m] bool) replaces causal order over sequence i's last m keys (its speculative tokens) with
 ancestor-only visibility; the keys before them stay visible to every new token.
@@ -9,7 +14,7 @@ ancestor-only visibility; the keys before them stay visible to every new token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +47,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     block_tables: torch.Tensor  # [batch, max_blocks]
     groups: list[PaddedRows]
+    fuses_kv_write: ClassVar[bool] = False
 
     def without_first_key(self) -> "AttentionMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
@@ -63,21 +69,56 @@ class AttentionMetadata:
         return out
 
 
-BACKENDS = ("torch", "triton")
+class AttentionBackend:
+    """Builds a step's attention metadata: q_lens[i] new tokens of sequence i occupy its last q_lens[i] of
+    seq_lens[i] positions, whose cache slots block_tables[i] (blocks of block_size) give; tree_masks[i]
+    ([q_len, m] bool, or None) sets the visibility of its last m keys; group: query heads per KV head.
+    `graphs`: its metadata has fixed shapes that CUDA graphs capture and replay (engine/cuda_graph.py and
+    speculative/eagle3_graphs.py build it in place)."""
+
+    name = ""
+    graphs = False
+
+    def metadata(self, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
+                 device: torch.device, group: int = 1, tree_masks: Optional[list[Optional[torch.Tensor]]] = None):
+        raise NotImplementedError
+
+
+class TorchBackend(AttentionBackend):
+    """Padded SDPA over gathered KV (any device, differentiable); `build_metadata`."""
+
+    name = "torch"
+
+    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None):
+        return build_metadata(q_lens, seq_lens, block_tables, block_size, device, tree_masks)
+
+
+class TritonBackend(AttentionBackend):
+    """The paged Triton kernel (CUDA; triton_attention.build_triton_metadata)."""
+
+    name = "triton"
+    graphs = True
+
+    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None):
+        from .triton_attention import build_triton_metadata  # imports triton: only on CUDA
+
+        return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks)
+
+
+BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    """The backend the configuration names (config.ExecutionConfig.attention_backend, resolved)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
+    return BACKENDS[name]()
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
-                   backend: str = "torch", group: int = 1):
-    """q_lens[i] new tokens of sequence i occupy its last q_lens[i] positions of seq_lens[i].
-
-    backend "torch": padded SDPA over gathered KV (any device, differentiable); "triton": the paged
-    CUDA kernel of triton_attention (group = query heads per KV head).
-    """
-    if backend == "triton":
-        from .triton_attention import build_triton_metadata
-
-        return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks)
+                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None
+                   ) -> AttentionMetadata:
+    """The torch backend's metadata (see `AttentionBackend.metadata`)."""
     max_blocks = -(-max(seq_lens) // block_size)
     tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.long)
     slots, starts, start = [], [], 0
@@ -126,7 +167,7 @@ def _padded_rows(rows: list[int], q_lens: list[int], seq_lens: list[int], starts
 
 class Attention(nn.Module):
     """Attention of new tokens against the paged cache (grouped-query aware); the step's metadata
-    (built by `build_metadata` for one backend) does the work."""
+    (built by an `AttentionBackend`) does the work."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -136,7 +177,7 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_written: bool = False) -> torch.Tensor:
-        if kv_written:  # the caller already stored k and v in the cache (triton backend only)
+        if kv_written:  # the caller already stored k and v in the cache (metadata that fuses_kv_write)
             return meta.attend(q, k, v, self.kv_cache, self.scale, kv_written=True)
         # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]
         return meta.attend(q, k, v, self.kv_cache, self.scale)

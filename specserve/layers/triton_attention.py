@@ -16,7 +16,7 @@ verify steps can be captured in CUDA graphs and replayed after refilling the ten
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -133,6 +133,7 @@ class TritonMetadata:
     block_q: int
     page: int
     skip_first_key: bool = False  # key 0 of every sequence hidden
+    fuses_kv_write: ClassVar[bool] = True  # the model may write rotated keys and values itself (rope_and_cache)
 
     def without_first_key(self) -> "TritonMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
@@ -194,7 +195,7 @@ def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
                           tree_masks: Optional[list[Optional[torch.Tensor]]] = None) -> TritonMetadata:
-    """The same contract as attention.build_metadata (q_lens[i] new tokens are the last of seq_lens[i])."""
+    """The triton backend's metadata (the contract of attention.AttentionBackend.metadata)."""
     batch = len(q_lens)
     block_q = block_q_for(max(q_lens), group)
     q_starts, tree_lens, tile_seq, tile_q0 = [], [], [], []

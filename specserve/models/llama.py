@@ -14,7 +14,6 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from ..layers.triton_attention import TritonMetadata
 from .config import ArchConfig
 
 
@@ -38,7 +37,7 @@ class DecoderAttention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(meta, TritonMetadata) and triton_ops.rotary_fits(q):
+        if meta.fuses_kv_write and triton_ops.rotary_fits(q):
             triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache,
                                       meta.slot_mapping)
             out = self.attn(q, k, v, meta, kv_written=True)

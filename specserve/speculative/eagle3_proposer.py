@@ -21,7 +21,7 @@ import torch
 from ..config import SpeculativeConfig
 from ..device import RowGather, to_device
 from ..engine.sequence import Sequence
-from ..layers.attention import build_metadata
+from ..layers.attention import AttentionBackend, TorchBackend
 from ..models import ArchConfig
 from .controller import Shape
 from .eagle3 import Eagle3Draft, load_eagle3
@@ -70,14 +70,14 @@ class DraftState:
 
 class Eagle3Proposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_arch: ArchConfig, target_embedding, num_slots_total: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device, backend: str = "torch",
+                 block_size: int, dtype: torch.dtype, device: torch.device, backend: Optional[AttentionBackend] = None,
                  load_format: str = "safetensors", seed: int = 0, synthetic: Optional[SyntheticAcceptance] = None):
         """target_embedding: the target's token embedding, whole (the draft shares it); load_format and
         seed as the target's (dummy weights for a dummy target); synthetic: trees rank children by its
         scores (benchmarks with synthetic acceptance)."""
         self.block_size = block_size
         self.synthetic = synthetic
-        self.backend = backend
+        self.backend = backend or TorchBackend()
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device,
                                                  load_format, seed)
@@ -324,8 +324,8 @@ class Eagle3Proposer(Proposer):
 
     def _metadata(self, q_lens: list[int], seq_lens: list[int], seqs: list[Sequence], tree_masks=None):
         """Attention metadata for q_lens[i] pairs ending at pair seq_lens[i] - 1, stored one slot late."""
-        meta = build_metadata(q_lens, [n + 1 for n in seq_lens], [s.block_table for s in seqs], self.block_size,
-                              self.device, tree_masks, backend=self.backend, group=self.group)
+        meta = self.backend.metadata(q_lens, [n + 1 for n in seq_lens], [s.block_table for s in seqs],
+                                     self.block_size, self.device, self.group, tree_masks)
         return meta.without_first_key()  # slot 0 holds no pair
 
     def _ids(self, values: list[int]) -> torch.Tensor:
