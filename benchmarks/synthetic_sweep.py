@@ -156,6 +156,8 @@ def sweep(args) -> dict:
             results[key] = {"startup_s": startup, "rates": PROFILES.get(profile, {}).get(shape), "levels": {}}
             for c, n in zip(levels, requests):
                 r = run_level(engine, c, max(n, c), args.max_tokens, prompt_ids)
+                if engine.spec is not None and engine.spec.controller.policy == "adaptive":
+                    r["controller"] = engine.spec.controller.explain()  # why it chose as it did
                 results[key]["levels"][str(c)] = r
                 print(f"{key:20s} C={c:<4} {r['output_throughput']:9.1f} tok/s  k {r['mean_k']:.2f}  "
                       f"step {r['mean_step_ms']:6.2f} ms  tau {r['accept_length'] or 0:.2f}", flush=True)
