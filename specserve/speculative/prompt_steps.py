@@ -7,8 +7,9 @@ compute-bound. Where requests arrive every few steps (C = 5-10 on the H200) deco
 prompt gives up a fifth of the steps' speculation; where most steps carry a prompt (C >= 70) speculating
 beside them costs more than it gains. So the penalty is measured, per batch bucket and shape: a step beside
 a prompt is kept as its time over the decode-only time of its shape and batch size (`Controller.seconds`),
-with its P; plain's are read as a robust line in P (the chunk's own cost; all buckets' until the bucket has
-its own), a draft's penalty is the median of its times over that line.
+with its P; plain's are read as a robust line in P (the chunk's own cost, per bucket: a chunk beside 250
+decoding rows costs more than beside 5, as a pooled line measured on the H200), a draft's penalty is the
+median of its times over that line.
 
 The choice is between plain and the bucket's decode-only choice (`Controller.current`), by opportunity
 cost: the draft's extra tokens B (E - 1) are worth B (E - 1) / G seconds of decoding at its goodput G; its
@@ -38,7 +39,6 @@ class PromptSteps:
         self.c = controller
         # (bucket, shape): (prompt tokens, seconds over the shape's decode-only step) of the latest steps
         self.times: dict[tuple[int, Shape], StepTimes] = {}
-        self.plain = StepTimes(controller.window)  # plain's, any bucket: the line until a bucket has its own
         self.choice: dict[int, Shape] = {}  # per bucket: the latest choice that was not a probe
         self.probing: dict[int, int] = {}  # per bucket: probe steps still to take
         self.next_probe: dict[int, int] = {}  # per bucket: the prompt step from which it may probe again
@@ -51,7 +51,7 @@ class PromptSteps:
         c = self.c
         self.steps += 1
         draft = c.current.get(b, PLAIN)
-        if draft == PLAIN or not (c._priced(b, draft) and c._priced(b, PLAIN)) or self._plain_line(b) is None:
+        if draft == PLAIN or not (c._priced(b, draft) and c._priced(b, PLAIN)) or not self._known(b, PLAIN):
             return self._chosen(b, PLAIN)
         if self.probing.get(b):
             self.probing[b] -= 1
@@ -79,17 +79,10 @@ class PromptSteps:
     def _known(self, b: int, shape: Shape) -> bool:
         return len(self.times.get((b, shape), ())) >= self.c.min_samples
 
-    def _plain_line(self, b: int) -> Optional[StepTimes]:
-        """Plain's times beside prompts in bucket b, or in all buckets while b has too few (a prompt's cost
-        over a decode step varies less between buckets than a draft's penalty does)."""
-        if self._known(b, PLAIN):
-            return self.times[(b, PLAIN)]
-        return self.plain if len(self.plain) >= self.c.min_samples else None
-
     def penalty(self, b: int, shape: Shape) -> float:
         """Seconds a step of this draft shape beside a prompt costs over its decode-only step and the prompt's
         own cost (plain's line at the same prompt tokens)."""
-        plain = self._plain_line(b)
+        plain = self.times[(b, PLAIN)]
         return statistics.median(t - plain.line(p) for p, t in self.times[(b, shape)].samples)
 
     def loss(self, b: int, shape: Shape, batch_size: int) -> float:
@@ -116,10 +109,8 @@ class PromptSteps:
         if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old times
             self.stale.discard((b, shape))
             self.times.pop((b, shape), None)
-        over = seconds - c.seconds(b, shape, batch_size)
-        self.times.setdefault((b, shape), StepTimes(c.window)).add(prompt_tokens, over)
-        if shape == PLAIN:
-            self.plain.add(prompt_tokens, over)
+        self.times.setdefault((b, shape), StepTimes(c.window)).add(
+            prompt_tokens, seconds - c.seconds(b, shape, batch_size))
         c.changes += 1
 
     def explain(self, b: int) -> Optional[dict]:
@@ -128,5 +119,5 @@ class PromptSteps:
         if shape is None:
             return None
         draft = self.c.current.get(b, PLAIN)
-        known = draft != PLAIN and self._known(b, draft) and self._plain_line(b) is not None
+        known = draft != PLAIN and self._known(b, draft) and self._known(b, PLAIN)
         return {"k": shape.k, "penalty_ms": round(1e3 * self.penalty(b, draft), 3) if known else None}
