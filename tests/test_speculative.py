@@ -132,7 +132,8 @@ def test_loader_reads_published_format(pair, tmp_path):
     arch = ArchConfig.from_dict(read_config(target))
     for fmt in ("safetensors", "bin"):
         path = make_eagle3_checkpoint(str(tmp_path / fmt), target, seed=2, draft_vocab=32, fmt=fmt)
-        draft = load_eagle3(path, arch, torch.float32, torch.device("cpu"))
+        draft = load_eagle3(path, arch, torch.nn.Embedding(arch.vocab_size, arch.hidden_size), torch.float32,
+                            torch.device("cpu"))
         sd = torch.load(path + "/pytorch_model.bin", weights_only=True) if fmt == "bin" else None
         if sd is not None:  # fused q/k/v rows are the published q, k, v in order
             assert torch.equal(draft.midlayer.self_attn.qkv_proj.weight[:64], sd["midlayer.self_attn.q_proj.weight"])
@@ -147,7 +148,8 @@ def test_loader_reads_published_format(pair, tmp_path):
     tensors["midlayer.self_attn.k_proj.weight"] = torch.zeros(32, 64)  # k_proj takes 2H = 128 inputs
     save_file(tensors, bad + "/model.safetensors")
     with pytest.raises(ValueError, match="midlayer.self_attn.k_proj.weight"):
-        load_eagle3(bad, arch, torch.float32, torch.device("cpu"))
+        load_eagle3(bad, arch, torch.nn.Embedding(arch.vocab_size, arch.hidden_size), torch.float32,
+                    torch.device("cpu"))
     # and speculation with a draft vocabulary smaller than the target's stays lossless
     small = str(tmp_path / "safetensors")
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=small)

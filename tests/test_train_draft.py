@@ -94,8 +94,7 @@ def test_ttt_matches_inference_and_grads_flow(setup):
     arch = ArchConfig.from_dict(read_config(target))
     model = load_model(target, torch.float32, torch.device("cpu"))
     c = draft_config(arch, arch.vocab_size, TrainOptions(target, [], ""))
-    draft = new_draft(c, torch.device("cpu"), 0)
-    draft.embed_tokens = model.model.embed_tokens
+    draft = new_draft(c, model.model.embed_tokens, torch.device("cpu"), 0)
     ids = torch.randint(0, arch.vocab_size, (2, 8))
     feats, logits = target_outputs(model, ids, c.target_aux_layers(arch.num_layers))
     t2d = torch.ones(arch.vocab_size, dtype=torch.bool)

@@ -103,13 +103,13 @@ def dummy_weights(model: nn.Module, seed: int) -> None:
                 p.normal_(0.0, 0.02, generator=gen)
 
 
-def build(cls, config, dtype: torch.dtype, device: torch.device):
-    """Construct a module with its parameters created directly in dtype on device."""
+def build(cls, config, dtype: torch.dtype, device: torch.device, *collaborators):
+    """Construct cls(config, *collaborators) with its parameters created directly in dtype on device."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return cls(config)
+            return cls(config, *collaborators)
     finally:
         torch.set_default_dtype(previous)
 

@@ -135,15 +135,17 @@ class Eagle3MidLayer(nn.Module):
 class Eagle3Draft(nn.Module):
     packed_modules = LlamaForCausalLM.packed_modules
 
-    def __init__(self, c: Eagle3Config):
+    def __init__(self, c: Eagle3Config, embed_tokens: nn.Module):
+        """embed_tokens: the target's token embedding (whole), which the draft shares; kept out of the draft's
+        parameters (the target owns and loads it)."""
         super().__init__()
+        self.__dict__["embed_tokens"] = embed_tokens  # not a submodule
         self.config = c
         self.fc = ReplicatedLinear(3 * c.target_hidden_size, c.hidden_size)
         self.midlayer = Eagle3MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = ReplicatedLinear(c.hidden_size, c.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-        self.embed_tokens: Optional[nn.Module] = None  # the target's, set by the proposer
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logit_rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,10 +189,11 @@ def _draft_tensors(folder: str):
         yield name, t
 
 
-def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: torch.device,
+def load_eagle3(folder: str, target: ArchConfig, embed_tokens: nn.Module, dtype: torch.dtype, device: torch.device,
                 load_format: str = "safetensors", seed: int = 0) -> Eagle3Draft:
-    """Load a draft and check that it fits the target (hidden size, vocabulary, layer ids); with
-    load_format "dummy", random weights of the config's shape (d2t zero: the first draft_vocab_size ids)."""
+    """Load a draft that shares the target's embed_tokens and check that it fits the target (hidden size,
+    vocabulary, layer ids); with load_format "dummy", random weights of the config's shape (d2t zero: the
+    first draft_vocab_size ids)."""
     c = Eagle3Config.from_dict(read_config(folder))
     if c.target_hidden_size != target.hidden_size:
         raise ValueError(f"draft expects target hidden size {c.target_hidden_size}, target has {target.hidden_size}")
@@ -202,7 +205,7 @@ def load_eagle3(folder: str, target: ArchConfig, dtype: torch.dtype, device: tor
     bad = [i for i in c.target_aux_layers(target.num_layers) if not 0 <= i <= target.num_layers]
     if bad:
         raise ValueError(f"draft reads target layer {bad[0]}, the target has {target.num_layers} layers")
-    model = build(Eagle3Draft, c, dtype, device)
+    model = build(Eagle3Draft, c, dtype, device, embed_tokens)
     if load_format == "dummy":
         dummy_weights(model, seed + 1)
         return model.eval()

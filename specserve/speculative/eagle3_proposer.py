@@ -79,9 +79,8 @@ class Eagle3Proposer(Proposer):
         self.synthetic = synthetic
         self.backend = backend or TorchBackend()
         self.device = device
-        self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, dtype, device,
-                                                 load_format, seed)
-        self.draft.embed_tokens = target_embedding
+        self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, target_embedding,
+                                              dtype, device, load_format, seed)
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
         # [k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables

@@ -115,9 +115,9 @@ def draft_config(arch: ArchConfig, draft_vocab: int, opts: TrainOptions) -> Eagl
     return replace(c, aux_layer_ids=tuple(i - 1 for i in c.target_aux_layers(arch.num_layers)))
 
 
-def new_draft(c: Eagle3Config, device: torch.device, seed: int) -> Eagle3Draft:
+def new_draft(c: Eagle3Config, embed: nn.Module, device: torch.device, seed: int) -> Eagle3Draft:
     with torch.device(device):
-        draft = Eagle3Draft(c)
+        draft = Eagle3Draft(c, embed)
     gen = torch.Generator().manual_seed(seed)
     for name, p in draft.named_parameters():
         with torch.no_grad():
@@ -127,10 +127,6 @@ def new_draft(c: Eagle3Config, device: torch.device, seed: int) -> Eagle3Draft:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         p.requires_grad_(True)
     return draft
-
-
-def trainable(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens.")}
 
 
 # ---- training-time test ----------------------------------------------------------------------------
@@ -188,7 +184,7 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
 
 def save_draft(draft: Eagle3Draft, t2d: torch.Tensor, out: str, arch: ArchConfig, dtype: torch.dtype) -> None:
     """config.json + model.safetensors with the published EAGLE-3 tensor names."""
-    tensors = {n: (t if n == "d2t" else t.to(dtype)).detach().cpu() for n, t in trainable(draft).items()}
+    tensors = {n: (t if n == "d2t" else t.to(dtype)).detach().cpu() for n, t in draft.state_dict().items()}
     tensors["t2d"] = t2d.cpu()
     save_checkpoint(out, draft.config.to_dict(torch_dtype=str(dtype).removeprefix("torch.")), tensors)
 
@@ -235,10 +231,9 @@ def train(opts: TrainOptions) -> dict:
     d2t = t2d.nonzero().squeeze(-1) - torch.arange(int(t2d.sum()))
     c = draft_config(arch, int(t2d.sum()), opts)
     aux = c.target_aux_layers(arch.num_layers)
-    draft = new_draft(c, device, opts.seed)
+    draft = new_draft(c, _Embedding(target.model.embed_tokens, torch.float32), device, opts.seed)
     draft.d2t.copy_(d2t)
-    draft.embed_tokens = _Embedding(target.model.embed_tokens, torch.float32)
-    params = [p for n, p in draft.named_parameters() if not n.startswith("embed_tokens.")]
+    params = list(draft.parameters())
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
     step = 0
     if state is not None:
@@ -284,7 +279,7 @@ def train(opts: TrainOptions) -> dict:
 
 def _checkpoint(path: str, draft: Eagle3Draft, opt, step: int, t2d: torch.Tensor) -> None:
     tmp = path + ".tmp"
-    torch.save({"draft": {k: v.cpu() for k, v in trainable(draft).items()}, "optimizer": opt.state_dict(),
+    torch.save({"draft": {k: v.cpu() for k, v in draft.state_dict().items()}, "optimizer": opt.state_dict(),
                 "step": step, "t2d": t2d.cpu()}, tmp)
     os.replace(tmp, path)
 
