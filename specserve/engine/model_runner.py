@@ -54,7 +54,9 @@ class ModelRunner:
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.follower = None  # rank 0 with speculation: the proposer's work in plain-decode graphs (a Follower)
         self.backend = attention_backend(config.execution.attention_backend)
-        self.sampler = Sampler()
+        # unseeded sampling draws from the engine's own generator, seeded by the model seed (not torch's global one)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.sampler = Sampler(self.generator)
         try:
             self._build()
         except BaseException:
@@ -63,7 +65,6 @@ class ModelRunner:
 
     def _build(self) -> None:
         config, ranks = self.config, self.ranks
-        torch.manual_seed(config.model.seed)  # unseeded requests draw from the global generator
         with building(ranks.tp if ranks else WHOLE):
             self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
                                     config.model.seed)

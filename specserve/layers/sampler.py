@@ -112,19 +112,21 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 
 def exponential_noise(shape: tuple[int, int], generators: Sequence[Optional[torch.Generator]],
-                      device: torch.device) -> torch.Tensor:
-    """Exp(1) noise [n, vocab]; rows with their own generator draw from it, the others from the global RNG."""
-    noise = torch.empty(shape, device=device).exponential_()
+                      device: torch.device, default: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Exp(1) noise [n, vocab]; rows with their own generator draw from it, the others from `default` (the
+    engine's; None: the global RNG)."""
+    noise = torch.empty(shape, device=device).exponential_(generator=default)
     for i, gen in enumerate(generators):
         if gen is not None:
             noise[i].exponential_(generator=gen)
     return noise
 
 
-def sample_from_logits(logits: torch.Tensor, generators: Sequence[Optional[torch.Generator]]) -> torch.Tensor:
+def sample_from_logits(logits: torch.Tensor, generators: Sequence[Optional[torch.Generator]],
+                       default: Optional[torch.Generator] = None) -> torch.Tensor:
     """Draw one token per row from softmax(logits): argmax(p / E) with E ~ Exp(1) is an exact sample."""
     probs = logits.softmax(-1)
-    noise = exponential_noise(tuple(probs.shape), generators, probs.device)
+    noise = exponential_noise(tuple(probs.shape), generators, probs.device, default)
     return (probs / noise).argmax(-1)
 
 
@@ -134,7 +136,11 @@ Positions = Union[Sequence[int], torch.Tensor]
 class Sampler:
     """Samples one token per row. Greedy rows take the argmax of the raw logits; seeded rows the
     Gumbel-max sample keyed by (seed, position) (`seeded_tokens`); other rows draw Exp(1) noise from
-    their generator, or from the global RNG where it is None."""
+    their generator, or where it is None from the sampler's (the engine's: `ModelRunner.generator`; None: the
+    global RNG)."""
+
+    def __init__(self, generator: Optional[torch.Generator] = None):
+        self.generator = generator
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Optional[Sequence[Optional[torch.Generator]]] = None,
@@ -158,7 +164,8 @@ class Sampler:
         if unseeded:
             rows = to_device(unseeded, torch.long, device)
             gens = [generators[i] if generators is not None else None for i in unseeded]
-            tokens[rows] = sample_from_logits(filtered_logits(logits[rows], [params[i] for i in unseeded]), gens)
+            filtered = filtered_logits(logits[rows], [params[i] for i in unseeded])
+            tokens[rows] = sample_from_logits(filtered, gens, self.generator)
         return tokens
 
 

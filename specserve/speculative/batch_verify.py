@@ -47,17 +47,18 @@ class BatchVerdict:
 
 
 def draw_verify_random(num_nodes: int, vocab: int, generators: Sequence[Optional[torch.Generator]],
-                       greedy: Sequence[bool], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                       greedy: Sequence[bool], device: torch.device, default: Optional[torch.Generator] = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The random numbers of one verify per row: uniforms [B, N] and Exp(1) noise [B, V].
 
     A sampling row with a generator draws exactly what `verify_sampling` draws from it: torch.rand(N),
     then exponential_ over the vocabulary, in that order, so a row with its own generator verifies the
-    same way batched or alone. Rows without a generator draw from the global RNG, all of them in two calls (not
-    in `verify_sampling`'s per-request order). Greedy rows leave their generator untouched; their
-    entries are unused.
+    same way batched or alone. Rows without a generator draw from `default` (the engine's; None: the global
+    RNG), all of them in two calls (not in `verify_sampling`'s per-request order). Greedy rows leave their
+    generator untouched; their entries are unused.
     """
-    uniforms = torch.rand(len(generators), num_nodes, device=device)  # [B, N]
-    noise = torch.empty(len(generators), vocab, device=device).exponential_()  # [B, V]
+    uniforms = torch.rand(len(generators), num_nodes, device=device, generator=default)  # [B, N]
+    noise = torch.empty(len(generators), vocab, device=device).exponential_(generator=default)  # [B, V]
     for i, gen in enumerate(generators):
         if gen is not None and not greedy[i]:
             uniforms[i] = torch.rand(num_nodes, device=device, generator=gen)
@@ -174,8 +175,10 @@ def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
 
 def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
                         params: Sequence[SamplingParams], generators: Sequence[Optional[torch.Generator]],
-                        chains: bool = False, positions: Optional[Positions] = None) -> BatchVerdict:
-    """`verify` for a batch: row b verified with params[b] and generators[b] (None: the global RNG).
+                        chains: bool = False, positions: Optional[Positions] = None,
+                        default: Optional[torch.Generator] = None) -> BatchVerdict:
+    """`verify` for a batch: row b verified with params[b] and generators[b] (None: `default`, the engine's
+    generator; both None: the global RNG).
     Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
     chains: every tree is a chain (batches without unseeded sampling rows then skip the walk).
     positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
@@ -201,22 +204,24 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
     greedy = to_device(greedy_rows, torch.bool, logits.device)
     if all(greedy_rows):
         return verify_batch(tokens, parents, logits, greedy, argmax=argmax)
-    uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device)
+    uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device, default)
     sampled = [_GREEDY if g else p for p, g in zip(params, greedy_rows)]  # seeded rows need no probs
     return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, sampled), uniforms, noise, argmax)
 
 
 def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequence[SamplingParams],
                   generators: Sequence[Optional[torch.Generator]], chains: bool, verifier=None,
-                  positions: Optional[Positions] = None) -> list[Verdict]:
+                  positions: Optional[Positions] = None, default: Optional[torch.Generator] = None) -> list[Verdict]:
     """Verify a step's draft trees (all of N nodes; chains: every one a chain) against logits [B, N, V]:
     one verify for the batch and one read of its result to the host. verifier: a function with
     `verify_batch_params`' signature (default: that one; synthetic acceptance passes its own).
-    positions [B]: per tree the sequence index of the token after its root (seeded rows need it)."""
+    positions [B]: per tree the sequence index of the token after its root (seeded rows need it); default:
+    the generator of rows without their own (the engine's)."""
     device = logits.device
     tokens = step_tokens(trees, device)  # [B, N]
     parents = to_device([t.parents for t in trees], torch.long, device)  # [B, N]
-    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains, positions)
+    verdict = (verifier or verify_batch_params)(tokens, parents, logits, params, generators, chains, positions,
+                                                default)
     rows = torch.cat([verdict.path, verdict.out_tokens], 1).tolist()  # [B, 2N] on the host, one sync
     n = tokens.shape[1]
     out = []

@@ -216,11 +216,15 @@ class Controller:
         return max(0.0, seconds - batch_size * self.expected_tokens(shape) / self.goodput(b, best, batch_size))
 
     def expected_tokens(self, shape: Shape) -> float:
-        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus."""
+        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree's few
+        samples are pulled toward the chain of its depth by `prior_samples` pseudo-samples: its top-ranked
+        spine is that chain, so it accepts at least as much (without the prior an unsampled tree counted one
+        token a step and was never chosen once acceptance was forgotten)."""
         if shape.steps == 0:
             return 1.0
         if shape.topk > 1:
-            return self.tree_tokens.mean if len(self.tree_tokens) else 1.0
+            n, prior = len(self.tree_tokens), self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
+            return (self.tree_tokens.total + prior * self.prior_samples) / (n + self.prior_samples)
         total, reach = 1.0, 1.0
         for rate in self.position_rates()[:shape.steps]:
             reach *= rate

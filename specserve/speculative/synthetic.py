@@ -64,7 +64,7 @@ class SyntheticAcceptance:
         return torch.tensor(scores, device=device)
 
     def verify_batch(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, params,
-                     generators, chains: bool = False, positions=None) -> BatchVerdict:
+                     generators, chains: bool = False, positions=None, default=None) -> BatchVerdict:
         """`verify_batch_params`' contract: tokens, parents [B, N]; logits [B, N, V]. Row b accepts the
         first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
@@ -73,7 +73,7 @@ class SyntheticAcceptance:
         on_path, node = spine_path(parents, want)
         b, dev = tokens.shape[0], tokens.device
         at = None if positions is None else to_device(positions, torch.long, dev) + on_path.sum(1) - 1  # [B]
-        final = Sampler()(logits[torch.arange(b, device=dev), node], params, generators, at)  # [B]
+        final = Sampler(default)(logits[torch.arange(b, device=dev), node], params, generators, at)  # [B]
         return path_verdict(tokens, on_path, final)
 
 
