@@ -206,71 +206,28 @@ def test_plain_is_priced_at_the_batch_size_within_a_bucket():
     assert settled(feed(c, 120, lambda s: 0.120 * (1 + 0.62 * s.k), accept=0.9)) != PLAIN
 
 
-def feed_prompts(c: Controller, batch: int, cost, penalty: float, every: int = 5, steps: int = 2000,
-                 accept: float = 0.8, noise: float = 0.05, seed: int = 0) -> list[Shape]:
-    """As `feed`, with a prompt chunk of 100-400 tokens (1e-4 s each) in every `every`-th step, which a draft
-    step pays `penalty` seconds more beside. Returns the shapes chosen in the steps with a prompt and those
-    steps' seconds."""
-    rng = random.Random(seed)
-    beside, spent = [], 0.0
-    for i in range(steps):
-        prompt = i % every == 0
-        shape = c.choose(batch, prefill=lambda: prompt)  # noqa: B023
-        seconds = cost(shape) * (1 + rng.uniform(-noise, noise))
-        if prompt:
-            tokens = rng.randint(100, 400)
-            seconds += 1e-4 * tokens + (penalty if shape != PLAIN else 0.0)
-            c.record_prompt_step(batch, shape, seconds, tokens)
-            beside.append(shape)
-            spent += seconds
-        else:
-            c.record_step(batch, shape, seconds)
-        for _ in range(batch if shape.steps else 0):
-            accepted = 0
-            while accepted < shape.steps and rng.random() < accept:
-                accepted += 1
-            c.record_verify(shape, accepted)
-    return beside, spent
-
-
-def test_steps_beside_prompts_speculate_when_the_draft_costs_no_more_there():
-    """A draft that wins decode-only steps and costs no more beside a prompt speculates there too (plain
-    beside every prompt gives up a fifth of the steps' speculation where a request arrives every 5 steps)."""
+def test_steps_that_compute_prompt_tokens_decode_plain_under_the_adaptive_policy():
+    """A step that also computes prompt tokens decodes plain beside them (adaptive), whatever a decode-only
+    step would choose; the always policy speculates in every step, as asked."""
     cheap = lambda s, n=None: 0.010 * (1 + 0.05 * s.k)  # noqa: E731
     c = calibrated(cheap)
-    beside, _ = feed_prompts(c, 4, cheap, penalty=0.0)
-    assert c.current[4] == SHAPES[-1]
-    assert settled(beside) == SHAPES[-1]
-    assert abs(c.prompt_steps.penalty(4, SHAPES[-1])) < 0.002
-    assert c.explain()["buckets"][4]["beside_prompts"]["k"] == SHAPES[-1].k
-
-
-def test_steps_beside_prompts_decode_plain_when_the_draft_is_dear_there_within_the_budget():
-    """Beside a prompt a draft step pays 30 ms more (the step runs outside the overlapped loop, its verify
-    tokens join a compute-bound step): measured once, then probed only as the exploration budget allows."""
-    cheap = lambda s, n=None: 0.010 * (1 + 0.05 * s.k)  # noqa: E731
-    c = calibrated(cheap)
-    beside, seconds = feed_prompts(c, 4, cheap, penalty=0.030, steps=5000)
-    assert c.current[4] == SHAPES[-1]  # decode-only steps still speculate
-    assert settled(beside) == PLAIN
-    assert abs(c.prompt_steps.penalty(4, SHAPES[-1]) - 0.030) < 0.003
-    chain = SHAPES[-1]
-    tokens = true_goodput(chain, 4, cheap, 0.8) * cheap(chain) / 4  # per request and step
-    gained = (tokens - 1) * cheap(chain) / tokens  # seconds of chain-3 decoding its extra tokens are worth
-    loss = cheap(chain) - cheap(PLAIN) + 0.030 - gained  # what a draft step beside a prompt loses
-    probes = sum(s != PLAIN for s in beside[c.min_samples * 2:])  # after plain's line and the first measurement
-    assert 0 < probes * loss <= c.exploration_budget * seconds + c.min_samples * loss  # at most one probe over
-    assert c.exploration_loss[4] <= c.exploration_budget * c.serving_time[4]
-
-
-def test_the_choice_beside_prompts_follows_the_batch_bucket_and_the_always_policy_speculates():
-    """Plain beside prompts where decode-only steps decode plain; the always policy speculates in every
-    step, as asked."""
-    dear = lambda s, n=None: 0.010 * (1 + s.k)  # noqa: E731
-    c = calibrated(dear)
-    c.pin_acceptance([0.3])
-    assert set(feed_prompts(c, 64, dear, penalty=0.0, steps=500)[0]) == {PLAIN}
+    c.pin_acceptance([0.8])
+    assert c.choose(4) == SHAPES[-1]
+    assert c.choose(4, prefill=lambda: True) == PLAIN
     assert Controller("always", SHAPES).choose(4, prefill=lambda: True) == SHAPES[-1]
+
+
+def test_an_unsampled_tree_is_priced_at_the_chain_of_its_depth():
+    """A tree accepts at least what the chain of its depth does (its top-ranked spine is that chain): with
+    acceptance forgotten it is priced so, not at one token a step, and its own samples then take over."""
+    tree_shapes = candidate_shapes(steps=3, topk=2, num_nodes=6)
+    c = Controller("adaptive", tree_shapes)
+    c.pin_acceptance([0.8])
+    tree, chain = tree_shapes[-1], tree_shapes[-2]
+    assert c.expected_tokens(tree) == pytest.approx(c.expected_tokens(chain))
+    for _ in range(500):
+        c.record_verify(tree, 3)
+    assert c.expected_tokens(tree) == pytest.approx(4.0, abs=0.15)
 
 
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():

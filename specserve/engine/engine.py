@@ -42,8 +42,6 @@ class InFlight:
     alone: bool = False  # launched with no step in flight: the device was idle when it started
     batch_size: int = 0
     started: float = 0.0  # perf_counter when its step began
-    decode_rows: int = 0  # items that decoded (the others computed prompt tokens)
-    prompt_tokens: int = 0  # prompt tokens it computed
 
     def start_copy(self, buffer: torch.Tensor, event: Optional[torch.cuda.Event]) -> None:
         """Copy the tokens into buffer (a slice of a preallocated host buffer) without waiting."""
@@ -247,7 +245,6 @@ class LLMEngine:
         if speculating:
             for item, tree in zip(speculating, self.spec.draft([item.seq for item in speculating], self.shape)):
                 item.draft = tree
-        decode_rows, prompt_tokens = self._prompt_work(batch)
         t0 = time.perf_counter()
         out = self.runner.forward(batch, self.aux_layers)
         if speculating:
@@ -259,9 +256,6 @@ class LLMEngine:
         if self._decoding_only(batch):
             self.spec.record_step(len(batch), self.shape, time.perf_counter() - start, len(speculating),
                                   self.stats.num_generation_tokens - emitted)
-        elif self.spec is not None:
-            self.spec.record_prompt_step(decode_rows, self.shape, time.perf_counter() - start, prompt_tokens,
-                                         len(speculating))
         return outputs
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------
@@ -275,13 +269,9 @@ class LLMEngine:
             self.inflight = self._launch_sampling(batch, out, alone=previous is None, started=start)
         outputs = self._resolve(previous) if previous is not None else []
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        if previous is not None and self.spec is not None:
-            # launch to launch, the wait for the previous step included: one step's time (the previous one's)
-            seconds = time.perf_counter() - start
-            if batch and self.inflight.decoding and previous.decoding:
-                self.spec.record_step(len(batch), PLAIN, seconds)
-            elif not previous.decoding:
-                self.spec.record_prompt_step(previous.decode_rows, PLAIN, seconds, previous.prompt_tokens)
+        if batch and self.inflight.decoding and previous is not None and previous.decoding:
+            # launch to launch, the wait for the previous decode step included: one decode step's time
+            self.spec.record_step(len(batch), PLAIN, time.perf_counter() - start)
         return outputs
 
     # ---- overlap: greedy speculative steps launch before the previous one's verdicts are read ------------
@@ -358,16 +348,12 @@ class LLMEngine:
         outputs = self._resolve(flight)
         if flight.decoding and flight.alone:
             self.spec.record_step(flight.batch_size, PLAIN, time.perf_counter() - flight.started)
-        elif self.spec is not None and not flight.decoding:
-            self.spec.record_prompt_step(flight.decode_rows, PLAIN, time.perf_counter() - flight.started,
-                                         flight.prompt_tokens)
         return outputs
 
     def _launch_sampling(self, batch: list[ScheduledSeq], out: ForwardOutput, alone: bool,
                          started: float) -> "InFlight":
         """Commit the batch's KV, sample on the device and start copying the tokens to the host. `alone`:
         no step was in flight when this one launched; `started`: perf_counter when its step began."""
-        decode_rows, prompt_tokens = self._prompt_work(batch)
         sampling = [i for i, item in enumerate(batch) if item.samples]
         seqs = [batch[i].seq for i in sampling]
         tokens, logprobs = None, []
@@ -385,8 +371,7 @@ class LLMEngine:
             seq.pending_row = row
         self.runner.publish(tokens)
         flight = InFlight(seqs, tokens, logprobs, decoding=self._decoding_only(batch), alone=alone,
-                          batch_size=len(batch), started=started, decode_rows=decode_rows,
-                          prompt_tokens=prompt_tokens)
+                          batch_size=len(batch), started=started)
         if seqs:
             self._flip = 1 - self._flip  # two host buffers: one being read, one being filled
             flight.start_copy(self.host_buffers[self._flip], self.copy_events[self._flip])
@@ -408,12 +393,6 @@ class LLMEngine:
                 finished.append(seq)
         self._finish(finished)
         return outputs
-
-    @staticmethod
-    def _prompt_work(batch: list[ScheduledSeq]) -> tuple[int, int]:
-        """(items that decode, prompt tokens computed) of a batch not yet computed."""
-        prompts = [item.num_tokens for item in batch if item.seq.num_uncomputed_tokens > 1]
-        return len(batch) - len(prompts), sum(prompts)
 
     def _decoding_only(self, batch: list[ScheduledSeq]) -> bool:
         return self.spec is not None and all(

@@ -18,11 +18,13 @@ Policies:
   draft is priced against, and a draft's own steps refine only its own estimate (a draft dearer live
   than measured at start-up, on long contexts or beside a server's host work, must not make plain
   look dearer too).
-  Steps that also compute prompt tokens decide between plain and the bucket's choice on their own measured
-  times (`PromptSteps`, speculative/prompt_steps.py): such a step runs synchronously, outside the overlapped
-  loop, and its verify tokens join a step the prompt made compute-bound. (Keeping the bucket's choice beside
-  every prompt gained 4-5% on the H200 where requests arrive every few steps, C = 5-10, and lost 5-12% at
-  C >= 70; decoding plain beside every prompt gave up the first.)
+  Steps that also compute prompt tokens decode plain (as SGLang speculates only in decode batches): such a
+  step runs synchronously beside the prefill, outside the overlapped loop, and its verify tokens add
+  compute to a step the prompt already made compute-bound. Only decode-only steps are timed and decided
+  on. (Keeping the bucket's choice beside prefills was tried on the H200, 8B shape: it gained 4-5% where
+  requests arrive every few steps, C = 5-10, and lost 5-12% at C >= 70, where most steps carry a prompt.
+  Deciding prompt steps on their own measured times was tried too, and lost at C >= 30: see
+  docs/performance.md, session 12.)
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
@@ -39,7 +41,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .estimates import Pinned, Recent, StepTimes
-from .prompt_steps import PromptSteps
 from .shapes import PLAIN, Shape, bucket, candidate_shapes
 
 __all__ = ["PLAIN", "Controller", "Shape", "bucket", "candidate_shapes"]
@@ -94,18 +95,18 @@ class Controller:
         self.token_seconds = 0.0
         self.serving_time: dict[int, float] = {}  # per bucket: seconds of decode steps recorded
         self.exploration_loss: dict[int, float] = {}  # per bucket: of them, seconds lost to other shapes
-        self.prompt_steps = PromptSteps(self)  # the choice in steps that also compute prompt tokens
 
     # ---- decisions ----------------------------------------------------------------------------
     def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
         """The shape of the next step for batch_size running requests; prefill(): will the step also compute
-        prompt tokens (`PromptSteps` decides those)? Asked only by the adaptive policy."""
+        prompt tokens, which the adaptive policy decodes plain beside (see the module docstring)? Asked
+        only by that policy."""
         if self.policy == "always":
             return self.configured
         if self.policy == "threshold":
             return PLAIN if batch_size > self.threshold else self.configured
         if prefill is not None and prefill():
-            return self.prompt_steps.choose(bucket(batch_size), batch_size)
+            return PLAIN
         return self._adaptive(bucket(batch_size), batch_size)
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
@@ -168,8 +169,7 @@ class Controller:
             buckets[b] = {"k": current[b].k if b in current else None,
                           "exploration_share": explored.get(b, 0) / decided[b],
                           "exploration_loss_share": lost.get(b, 0.0) / served[b] if served.get(b) else 0.0,
-                          "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()},
-                          "beside_prompts": self.prompt_steps.explain(b)}
+                          "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()}}
         return {"policy": self.policy, "acceptance_per_position": [round(r, 4) for r in self.position_rates()],
                 "exploration_budget": self.exploration_budget, "calibration": self.calibration, "buckets": buckets}
 
@@ -202,14 +202,14 @@ class Controller:
         self.probing[b] = [shape] * (self.min_samples - 1)
         return shape
 
-    def catch_up_price(self, b: int, batch_size: int, steps: Optional[int] = None) -> float:
-        """What a draft's first step after `steps` plain steps (default: those since the last draft step)
-        would cost on top of an ordinary one: the pairs it catches up on (batch size x plain steps) at the
-        cost per pair seen in the latest catch-ups (any bucket's, sums over sums: large ones weigh most;
-        none before the first: that one probe teaches it)."""
+    def catch_up_price(self, b: int, batch_size: int) -> float:
+        """What a draft's first step after the plain steps since the last draft step would cost on top of
+        an ordinary one: the pairs it catches up on (batch size x plain steps) at the cost per pair seen
+        in the latest catch-ups (any bucket's, sums over sums: large ones weigh most; none before the
+        first: that one probe teaches it)."""
         pairs = self.catch_up_pairs.total
         per_pair = max(0.0, self.catch_up_seconds.total) / pairs if pairs else 0.0
-        return per_pair * batch_size * (self.plain_steps if steps is None else steps)
+        return per_pair * batch_size * self.plain_steps
 
     def _loss(self, b: int, shape: Shape, best: Shape, batch_size: int, seconds: float) -> float:
         """Serving time a step of `shape` taking `seconds` loses against the best shape's goodput."""
@@ -356,13 +356,6 @@ class Controller:
         self.step_time.setdefault((b, shape), StepTimes(self.window)).add(
             batch_size, seconds / self.speed(b) - self.token_seconds * emitted)
         self.changes += 1
-
-    def record_prompt_step(self, batch_size: int, shape: Shape, seconds: float, prompt_tokens: int,
-                           typical: bool = True) -> None:
-        """A step that also computed prompt_tokens prompt tokens beside batch_size decoding requests (see
-        `PromptSteps.record`; not `typical`: a draft step that caught up after plain steps)."""
-        self.plain_steps = self.plain_steps + 1 if shape == PLAIN else 0
-        self.prompt_steps.record(batch_size, shape, seconds, prompt_tokens, typical)
 
     def _reanchor(self, b: int, factor: float) -> None:
         """Plain's latest steps moved bucket b's speed index by 1 / factor: the draft times taken since the

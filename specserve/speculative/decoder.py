@@ -194,14 +194,3 @@ class SpecDecoder:
         caught_up = self.proposer.last_catch_up if drafted and not looped else 0
         typical = caught_up <= drafted * (shape.steps + 1)
         self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up, tokens)
-
-    def record_prompt_step(self, decoding: int, shape: Shape, seconds: float, prompt_tokens: int,
-                           drafted: int = 0) -> None:
-        """A step that also computed prompt_tokens prompt tokens beside `decoding` decoding sequences, of
-        which `drafted` speculated with this shape (see `record_step` for what is typical), for the
-        controller's choice beside prompts."""
-        if self.forced is not None or not decoding:
-            return
-        caught_up = self.proposer.last_catch_up if drafted else 0
-        typical = caught_up <= drafted * (shape.steps + 1)
-        self.controller.record_prompt_step(decoding, shape if drafted else PLAIN, seconds, prompt_tokens, typical)
