@@ -2,7 +2,7 @@
 `ArchConfig` (q/k/v bias, q/k norm, tied embeddings, rope scaling)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -14,29 +14,41 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .config import ArchConfig
+from .config import ArchConfig, DecoderShape
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, c: ArchConfig, rotary: RotaryEmbedding):
+    """A decoder layer's self-attention: q/k/v projection, optional q/k norm, rotary, paged attention, output
+    projection. input_size: the projected features (default the hidden size; EAGLE-3's draft layer projects
+    [embedding, hidden] pairs of twice that)."""
+
+    def __init__(self, c: DecoderShape, rotary: RotaryEmbedding, input_size: Optional[int] = None,
+                 qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, bias=c.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(input_size or c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
+                                          bias=qkv_bias)
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.heads, self.kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, c.head_dim)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of x [n, input_size] (q/k normed)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(n, self.heads, self.head_dim)  # [n, heads, head_dim]
-        k = k.view(n, self.kv_heads, self.head_dim)  # [n, kv_heads, head_dim]
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self._project(x)
         if meta.fuses_kv_write and triton_ops.rotary_fits(q):
             triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache,
                                       meta.slot_mapping)
@@ -45,6 +57,17 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
+
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n], attending to
+        nothing: what forward would store for them."""
+        q, k, v = self._project(x)
+        if triton_ops.rotary_fits(q):  # one launch: rotary and both cache writes
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache, slots)
+            return
+        _, k = self.rotary(positions, q, k)
+        self.attn.kv_cache[0, slots] = k
+        self.attn.kv_cache[1, slots] = v
 
 
 class MLP(nn.Module):
@@ -65,7 +88,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DecoderAttention(c, rotary)
+        self.self_attn = DecoderAttention(c, rotary, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp  # [n, hidden] -> [n, hidden]
 

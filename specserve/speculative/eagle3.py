@@ -18,12 +18,12 @@ from torch import nn
 
 from ..layers import triton_ops
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from ..layers.linear import ReplicatedLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import WHOLE
 from ..layers.rotary import RotaryEmbedding
 from ..models.config import ArchConfig, DecoderShape, read_config
-from ..models.llama import MLP, LlamaForCausalLM
+from ..models.llama import MLP, DecoderAttention, LlamaForCausalLM
 from ..models.loader import WeightError, build, dummy_weights, load_weights
 
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -69,50 +69,13 @@ class Eagle3Config(DecoderShape):
         return (2, num_target_layers // 2, num_target_layers - 3)
 
 
-class Eagle3Attention(nn.Module):
-    def __init__(self, c: Eagle3Config, rotary: RotaryEmbedding):
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(2 * c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads)
-        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size)
-        self.heads, self.kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, c.head_dim
-        self.rotary = rotary
-        self.attn = Attention(self.heads, self.kv_heads, c.head_dim)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self._rotated(x, positions)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(n, -1))
-
-    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the keys and values of x [n, 2H] at positions [n] into cache slots [n], attending to
-        nothing: what forward would store for them."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(n, self.heads, self.head_dim)
-        if triton_ops.rotary_fits(q):  # one launch: rotary and both cache writes
-            k, v = (t.view(n, self.kv_heads, self.head_dim) for t in (k, v))
-            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache, slots)
-            return
-        _, k, v = self._rotated(x, positions)
-        self.attn.kv_cache[0, slots] = k
-        self.attn.kv_cache[1, slots] = v
-
-    def _rotated(self, x: torch.Tensor, positions: torch.Tensor):
-        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim], rotary applied to q and k."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k = self.rotary(positions, q.view(n, self.heads, self.head_dim), k.view(n, self.kv_heads, self.head_dim))
-        return q, k, v.view(n, self.kv_heads, self.head_dim)
-
-
 class Eagle3MidLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Eagle3Attention(c, rotary)
+        self.self_attn = DecoderAttention(c, rotary, input_size=2 * c.hidden_size)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
