@@ -78,7 +78,7 @@ def main() -> None:
               f"{1000 * statistics.median(p[1] for p in pairs):.1f} |")
     runner, proposer, bs = cached.runner, cached.spec.proposer, cached.config.cache.block_size
     target_kv = runner.kv_cache[:, :, :bs].numel()
-    draft_kv = proposer.kv_cache[:, :bs].numel()
+    draft_kv = proposer.kv_cache[:, :, :bs].numel()
     feature = proposer.block_features.shape[1]
     print(f"\nvalues per block of {bs} tokens: target KV {target_kv}, draft KV {draft_kv}, boundary feature {feature} "
           f"(+{100 * feature / (target_kv + draft_kv):.1f}%); every position's feature instead: {bs * feature} "

@@ -124,7 +124,7 @@ def compare_cached_blocks(a, b) -> int:
         assert other is not None and other.tokens == node.tokens
         x, y = slots(node.block, 8), slots(other.block, 8)
         close(a.runner.kv_cache[:, :, x], b.runner.kv_cache[:, :, y])
-        close(a.spec.proposer.kv_cache[:, x], b.spec.proposer.kv_cache[:, y])
+        close(a.spec.proposer.kv_cache[:, :, x], b.spec.proposer.kv_cache[:, :, y])
         close(a.spec.proposer.block_features[node.block], b.spec.proposer.block_features[other.block])
         compared += 1
     return compared

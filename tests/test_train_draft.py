@@ -100,21 +100,21 @@ def test_ttt_matches_inference_and_grads_flow(setup):
     t2d = torch.ones(arch.vocab_size, dtype=torch.bool)
     # reference step 0: a plain causal prefill of pairs (f_j, token j+1), j < 7
     attn = draft.attention_layers()[0]
-    attn.kv_cache = torch.zeros(2, 2 * 7, attn.num_kv_heads, attn.head_dim)
+    cache = torch.zeros(1, 2, 2 * 7, attn.num_kv_heads, attn.head_dim)
     with torch.no_grad():
         ref, _ = draft(ids[:, 1:].flatten(), feats[:, :7].reshape(14, -1), torch.arange(7).repeat(2),
-                       row_metadata(2, 7, torch.device("cpu")))
+                       row_metadata(2, 7, torch.device("cpu"), cache))
     want = -(logits[:, 1:].softmax(-1) * ref.view(2, 7, -1).log_softmax(-1)).sum(-1).mean()
     _, losses, _, _ = ttt_loss(draft, ids, feats, logits, t2d, 1)
     assert losses[0] == pytest.approx(want.item(), rel=1e-5)
     # the scratch cache carries gradients: a later step's output reaches the keys an earlier step wrote
     from specserve.layers.attention import Attention, build_metadata
 
-    att = Attention(2, 1, 4)
-    att.kv_cache = torch.zeros(2, 8, 1, 4)
+    att, cache = Attention(2, 1, 4), torch.zeros(1, 2, 8, 1, 4)
     k0 = torch.randn(4, 1, 4, requires_grad=True)
-    att(torch.randn(4, 2, 4), k0, torch.randn(4, 1, 4), build_metadata([4], [4], [[0]], 8, torch.device("cpu")))
+    att(torch.randn(4, 2, 4), k0, torch.randn(4, 1, 4),
+        build_metadata([4], [4], [[0]], 8, torch.device("cpu"), kv_cache=cache))
     out = att(torch.randn(4, 2, 4), torch.randn(4, 1, 4), torch.randn(4, 1, 4),
-              build_metadata([4], [8], [[0]], 8, torch.device("cpu")))
+              build_metadata([4], [8], [[0]], 8, torch.device("cpu"), kv_cache=cache))
     (grad,) = torch.autograd.grad(out.sum(), k0)
     assert grad.abs().sum() > 0

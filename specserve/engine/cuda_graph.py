@@ -72,13 +72,15 @@ class StepInputs:
 
 
 class GraphRunner:
-    def __init__(self, model, block_size: int, max_bs: int, max_blocks: int, tokens_per_seq: list[int],
-                 aux_layers: tuple[int, ...], group: int, scratch_slot: int, device: torch.device,
-                 follow=None, pad_index: int = 0, max_graph_tokens: int = 2048):
+    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_bs: int, max_blocks: int,
+                 tokens_per_seq: list[int], aux_layers: tuple[int, ...], group: int, scratch_slot: int,
+                 device: torch.device, follow=None, pad_index: int = 0, max_graph_tokens: int = 2048):
         """follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
         run, beside the model on a second stream and after it on their auxiliary hidden states, which they
-        then do not output; pad_index: the request index its padding rows get."""
-        self.model, self.block_size, self.aux_layers, self.group = model, block_size, aux_layers, group
+        then do not output; pad_index: the request index its padding rows get; kv_cache: the model's
+        [layers, k/v, slots + scratch, kv_heads, head_dim]."""
+        self.model, self.kv_cache, self.block_size, self.aux_layers, self.group = (model, kv_cache, block_size,
+                                                                                 aux_layers, group)
         self.follow, self.pad_index = follow, pad_index
         self.side = torch.cuda.Stream(device) if follow is not None else None
         self.scratch_slot, self.device = scratch_slot, device
@@ -110,7 +112,8 @@ class GraphRunner:
         return TritonMetadata(slot_mapping=self.slots[:n], block_tables=self.block_tables[:bs],
                               seq_lens=self.seq_lens[:bs], q_starts=self.q_starts[q][:bs], q_lens=self.q_lens[q][:bs],
                               tree_bits=self.tree_bits[:n], tree_lens=self.tree_lens[:bs], tile_seq=self.tile_seq[:bs],
-                              tile_q0=self.tile_q0[:bs], block_q=block_q_for(q, self.group), page=self.block_size)
+                              tile_q0=self.tile_q0[:bs], block_q=block_q_for(q, self.group), page=self.block_size,
+                              kv_cache=self.kv_cache)
 
     def _run(self, bs: int, q: int):
         n = bs * q

@@ -79,8 +79,6 @@ class ModelRunner:
         # [layers, k/v, slots + scratch, kv_heads, head_dim]
         self.kv_cache = torch.zeros(len(layers), 2, self.scratch_slot + 1, kv_heads, head_dim,
                                     dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(layers):
-            attn.kv_cache = self.kv_cache[i]
 
     def _kv_blocks(self) -> int:
         c = self.config
@@ -123,8 +121,8 @@ class ModelRunner:
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         follow = self.follower if aux_layers else None
-        self.graphs = GraphRunner(self.model, self.block_size, ex.cuda_graph_max_bs, max_blocks, tokens_per_seq,
-                                  aux_layers, self.group, self.scratch_slot, self.device, follow,
+        self.graphs = GraphRunner(self.model, self.kv_cache, self.block_size, ex.cuda_graph_max_bs, max_blocks,
+                                  tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device, follow,
                                   self.config.scheduler.max_num_seqs)
         self.graphs.capture()
 
@@ -231,7 +229,7 @@ class ModelRunner:
             return self.graphs.replay(key, step, self.resolve_pending)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
-                                     self.group, trees)
+                                     self.group, trees, self.kv_cache)
         aux_layers = self._own_aux(aux_layers)
         hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta,
                                  aux_layers)

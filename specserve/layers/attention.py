@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, behind one small interface.
 
 An `AttentionBackend` (`attention_backend(name)`, chosen once from the configuration) builds one metadata
-object per step; every layer's `Attention` hands it the step's queries, keys and values, and the metadata
-writes the keys and values into their cache slots and attends over each sequence's cached context. Two
+object per step, which carries the step's KV cache ([layers, k/v, slots, kv_heads, head_dim], the runner's or
+the draft's); every layer's `Attention` hands it the step's queries, keys and values and its layer index, and
+the metadata writes the keys and values into that layer's cache slots and attends over each sequence's
+cached context. Two
 backends: "torch" (padded SDPA over gathered KV, this file: any device, differentiable) and "triton" (the
 paged CUDA kernel of triton_attention, whose fixed-shape metadata the CUDA graphs also replay). A
 backend whose metadata `fuses_kv_write` lets the model write rotated keys and the values into the cache in
@@ -47,6 +49,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     block_tables: torch.Tensor  # [batch, max_blocks]
     groups: list[PaddedRows]
+    kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
     fuses_kv_write: ClassVar[bool] = False
 
     def without_first_key(self) -> "AttentionMetadata":
@@ -72,7 +75,8 @@ class AttentionMetadata:
 class AttentionBackend:
     """Builds a step's attention metadata: q_lens[i] new tokens of sequence i occupy its last q_lens[i] of
     seq_lens[i] positions, whose cache slots block_tables[i] (blocks of block_size) give; tree_masks[i]
-    ([q_len, m] bool, or None) sets the visibility of its last m keys; group: query heads per KV head.
+    ([q_len, m] bool, or None) sets the visibility of its last m keys; group: query heads per KV head;
+    kv_cache: [layers, 2, slots, kv_heads, head_dim], the cache the step's layers read and write.
     `graphs`: its metadata has fixed shapes that CUDA graphs capture and replay (engine/cuda_graph.py and
     speculative/eagle3_graphs.py build it in place)."""
 
@@ -80,7 +84,8 @@ class AttentionBackend:
     graphs = False
 
     def metadata(self, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-                 device: torch.device, group: int = 1, tree_masks: Optional[list[Optional[torch.Tensor]]] = None):
+                 device: torch.device, group: int = 1, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
+                 kv_cache: Optional[torch.Tensor] = None):
         raise NotImplementedError
 
 
@@ -89,8 +94,8 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None):
-        return build_metadata(q_lens, seq_lens, block_tables, block_size, device, tree_masks)
+    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None, kv_cache=None):
+        return build_metadata(q_lens, seq_lens, block_tables, block_size, device, tree_masks, kv_cache)
 
 
 class TritonBackend(AttentionBackend):
@@ -99,10 +104,11 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     graphs = True
 
-    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None):
+    def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None, kv_cache=None):
         from .triton_attention import build_triton_metadata  # imports triton: only on CUDA
 
-        return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks)
+        return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks,
+                                     kv_cache)
 
 
 BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
@@ -116,8 +122,8 @@ def attention_backend(name: str) -> AttentionBackend:
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
-                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None
-                   ) -> AttentionMetadata:
+                   device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
+                   kv_cache: Optional[torch.Tensor] = None) -> AttentionMetadata:
     """The torch backend's metadata (see `AttentionBackend.metadata`)."""
     max_blocks = -(-max(seq_lens) // block_size)
     tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.long)
@@ -134,7 +140,7 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[li
     groups = [_padded_rows(rows, q_lens, seq_lens, starts, tables, block_size, tree_masks, device)
               for _, rows in sorted(by_length.items())]
     return AttentionMetadata(slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
-                             groups=groups)
+                             groups=groups, kv_cache=kv_cache)
 
 
 def _padded_rows(rows: list[int], q_lens: list[int], seq_lens: list[int], starts: list[int], tables: torch.Tensor,
@@ -166,18 +172,22 @@ def _padded_rows(rows: list[int], q_lens: list[int], seq_lens: list[int], starts
 
 
 class Attention(nn.Module):
-    """Attention of new tokens against the paged cache (grouped-query aware); the step's metadata
-    (built by an `AttentionBackend`) does the work."""
+    """Attention of new tokens against the paged cache (grouped-query aware) of layer `layer`; the step's
+    metadata (built by an `AttentionBackend`, holding the cache) does the work."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer = layer
         self.scale = head_dim ** -0.5
-        self.kv_cache: Optional[torch.Tensor] = None  # [2, num_slots, kv_heads, head_dim], set by the runner
+
+    def cache(self, meta) -> torch.Tensor:
+        """This layer's cache in the step's metadata: [2, slots, kv_heads, head_dim]."""
+        return meta.kv_cache[self.layer]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_written: bool = False) -> torch.Tensor:
         if kv_written:  # the caller already stored k and v in the cache (metadata that fuses_kv_write)
-            return meta.attend(q, k, v, self.kv_cache, self.scale, kv_written=True)
+            return meta.attend(q, k, v, self.cache(meta), self.scale, kv_written=True)
         # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]
-        return meta.attend(q, k, v, self.kv_cache, self.scale)
+        return meta.attend(q, k, v, self.cache(meta), self.scale)

@@ -133,6 +133,7 @@ class TritonMetadata:
     block_q: int
     page: int
     skip_first_key: bool = False  # key 0 of every sequence hidden
+    kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
     fuses_kv_write: ClassVar[bool] = True  # the model may write rotated keys and values itself (rope_and_cache)
 
     def without_first_key(self) -> "TritonMetadata":
@@ -194,7 +195,8 @@ def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
 
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
-                          tree_masks: Optional[list[Optional[torch.Tensor]]] = None) -> TritonMetadata:
+                          tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
+                          kv_cache: Optional[torch.Tensor] = None) -> TritonMetadata:
     """The triton backend's metadata (the contract of attention.AttentionBackend.metadata)."""
     batch = len(q_lens)
     block_q = block_q_for(max(q_lens), group)
@@ -217,4 +219,4 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
                           seq_lens=t(seq_lens), q_starts=t(q_starts), q_lens=t(q_lens),
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
                           tile_seq=t(tile_seq),
-                          tile_q0=t(tile_q0), block_q=block_q, page=block_size)
+                          tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache)

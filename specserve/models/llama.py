@@ -23,7 +23,7 @@ class DecoderAttention(nn.Module):
     [embedding, hidden] pairs of twice that)."""
 
     def __init__(self, c: DecoderShape, rotary: RotaryEmbedding, input_size: Optional[int] = None,
-                 qkv_bias: bool = False, qk_norm: bool = False):
+                 qkv_bias: bool = False, qk_norm: bool = False, layer: int = 0):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(input_size or c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
                                           bias=qkv_bias)
@@ -33,7 +33,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.heads, self.kv_heads, c.head_dim)
+        self.attn = Attention(self.heads, self.kv_heads, c.head_dim, layer)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of x [n, input_size] (q/k normed)."""
@@ -50,7 +50,7 @@ class DecoderAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self._project(x)
         if meta.fuses_kv_write and triton_ops.rotary_fits(q):
-            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache,
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.cache(meta),
                                       meta.slot_mapping)
             out = self.attn(q, k, v, meta, kv_written=True)
         else:
@@ -58,16 +58,17 @@ class DecoderAttention(nn.Module):
             out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
-    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n], attending to
-        nothing: what forward would store for them."""
+    def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n] of this layer
+        in kv_cache ([layers, 2, slots, kv_heads, head_dim]), attending to nothing: what forward would store."""
+        cache = kv_cache[self.attn.layer]
         q, k, v = self._project(x)
         if triton_ops.rotary_fits(q):  # one launch: rotary and both cache writes
-            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.kv_cache, slots)
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, cache, slots)
             return
         _, k = self.rotary(positions, q, k)
-        self.attn.kv_cache[0, slots] = k
-        self.attn.kv_cache[1, slots] = v
+        cache[0, slots] = k
+        cache[1, slots] = v
 
 
 class MLP(nn.Module):
@@ -85,10 +86,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module):
+    def __init__(self, c: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = DecoderAttention(c, rotary, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm)
+        self.self_attn = DecoderAttention(c, rotary, qkv_bias=c.qkv_bias, qk_norm=c.qk_norm, layer=layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp  # [n, hidden] -> [n, hidden]
 
@@ -108,7 +109,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i)) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

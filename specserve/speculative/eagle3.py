@@ -83,9 +83,9 @@ class Eagle3MidLayer(nn.Module):
         h = self.self_attn(self._inputs(embed, ids, hidden), positions, meta) + hidden
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def store_kv(self, embed: nn.Module, ids, hidden, positions, slots) -> None:
-        """Only the KV cache writes of forward (slots [n]): no attention, no output."""
-        self.self_attn.store_kv(self._inputs(embed, ids, hidden), positions, slots)
+    def store_kv(self, embed: nn.Module, ids, hidden, positions, slots, kv_cache) -> None:
+        """Only the KV cache writes of forward (slots [n] of kv_cache): no attention, no output."""
+        self.self_attn.store_kv(self._inputs(embed, ids, hidden), positions, slots, kv_cache)
 
     def _inputs(self, embed: nn.Module, ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[n, 2H]: the normed token embeddings of ids [n] beside the normed hidden [n, H]."""
@@ -122,11 +122,11 @@ class Eagle3Draft(nn.Module):
         return self.lm_head(self.norm(out)), h
 
     def store_kv(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+                 slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """The draft KV of pairs (ids [n], target features [n, 3*Ht]) at positions [n], written into cache
         slots [n] without attending: a pair's KV depends on nothing else, so pairs whose outputs nobody
-        reads (all but the last of a catch-up) need only this."""
-        self.midlayer.store_kv(self.embed_tokens, ids, self.fc(features), positions, slots)
+        reads (all but the last of a catch-up) need only this. kv_cache: [1, 2, slots, kv_heads, head_dim]."""
+        self.midlayer.store_kv(self.embed_tokens, ids, self.fc(features), positions, slots, kv_cache)
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]

@@ -66,7 +66,7 @@ class DraftFollower:
         position p's slot; at position 0 (a one-token prompt) a pair of position 0 lands in slot 0 of its
         block, which the draft never reads."""
         previous = self.features.index_select(0, rows)  # [bs, aux_dim]
-        self.proposer.draft.store_kv(ids, previous, (positions - 1).clamp(min=0), slots)
+        self.proposer.draft.store_kv(ids, previous, (positions - 1).clamp(min=0), slots, self.proposer.kv_cache)
 
     def keep(self, aux: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
         """In the graph, after the model and `store_previous`: aux [bs, aux_dim] this step's features into

@@ -61,7 +61,8 @@ class DraftGraphs:
             tree_bits=tree_bits, tree_lens=torch.full((bs,), tree_len, dtype=torch.int32, device=dev),
             tile_seq=torch.arange(bs, dtype=torch.int32, device=dev),
             tile_q0=torch.zeros(bs, dtype=torch.int32, device=dev),
-            block_q=block_q_for(q, self.proposer.group), page=self.proposer.block_size, skip_first_key=True)
+            block_q=block_q_for(q, self.proposer.group), page=self.proposer.block_size, skip_first_key=True,
+            kv_cache=self.proposer.kv_cache)
 
     def _slots(self, bs: int, kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """[bs * n] cache slots of kv indices kv [bs, n]; the scratch slot where not valid or not live."""

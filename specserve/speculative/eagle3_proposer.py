@@ -83,11 +83,10 @@ class Eagle3Proposer(Proposer):
                                               dtype, device, load_format, seed)
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
-        # [k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables
+        # [1 layer, k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables
         self.scratch_slot = num_slots_total  # padding rows of graph replays write here
-        self.kv_cache = torch.zeros(2, num_slots_total + 1, attn.num_kv_heads, attn.head_dim, dtype=dtype,
+        self.kv_cache = torch.zeros(1, 2, num_slots_total + 1, attn.num_kv_heads, attn.head_dim, dtype=dtype,
                                     device=device)
-        attn.kv_cache = self.kv_cache
         self.group = attn.num_heads // attn.num_kv_heads
         # [blocks + scratch, aux_dim]: the target features of each block's last position
         aux_dim = len(self.aux_layers) * target_arch.hidden_size
@@ -145,7 +144,7 @@ class Eagle3Proposer(Proposer):
     def cache_planes(self) -> list[torch.Tensor]:
         blocks = self.block_features.shape[0]
         # [blocks, k/v, block_size, kv_heads, head_dim] and [blocks, aux_dim]
-        kv = self.kv_cache[:, :self.scratch_slot].unflatten(1, (blocks, self.block_size)).movedim(1, 0)
+        kv = self.kv_cache[0, :, :self.scratch_slot].unflatten(1, (blocks, self.block_size)).movedim(1, 0)
         return [kv, self.block_features]
 
     def capture_graphs(self, shapes: list[Shape], max_bs: int, max_blocks: int) -> None:
@@ -264,7 +263,8 @@ class Eagle3Proposer(Proposer):
         """Store the draft KV of each sequence's pairs before pair ends[i], without attending (nobody reads
         their outputs), and mark them seen."""
         pairs = self._take_pairs(seqs, ends)
-        self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), self._ids(pairs.slots))
+        self.draft.store_kv(self._ids(pairs.ids), pairs.features, self._ids(pairs.positions), self._ids(pairs.slots),
+                            self.kv_cache)
 
     def _catch_up(self, seqs: list[Sequence], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over every committed pair it has not seen; return the last pair's logits and
@@ -283,7 +283,7 @@ class Eagle3Proposer(Proposer):
         mask[pairs.last] = False
         before = mask.nonzero().squeeze(1)  # [pairs - B] all but each sequence's last, indexed on the host
         self.draft.store_kv(self._ids(ids[before]), pairs.features[self._ids(before)],
-                            self._ids(positions[before]), self._ids(slots[before]))
+                            self._ids(positions[before]), self._ids(slots[before]), self.kv_cache)
         last = torch.tensor(pairs.last)
         meta = self._metadata([1] * len(seqs), pairs.ends, seqs)
         return self.draft(self._ids(ids[last]), pairs.features[self._ids(last)], self._ids(positions[last]), meta)
@@ -324,7 +324,7 @@ class Eagle3Proposer(Proposer):
     def _metadata(self, q_lens: list[int], seq_lens: list[int], seqs: list[Sequence], tree_masks=None):
         """Attention metadata for q_lens[i] pairs ending at pair seq_lens[i] - 1, stored one slot late."""
         meta = self.backend.metadata(q_lens, [n + 1 for n in seq_lens], [s.block_table for s in seqs],
-                                     self.block_size, self.device, self.group, tree_masks)
+                                     self.block_size, self.device, self.group, tree_masks, self.kv_cache)
         return meta.without_first_key()  # slot 0 holds no pair
 
     def _ids(self, values: list[int]) -> torch.Tensor:

@@ -58,9 +58,10 @@ class TrainOptions:
 
 # ---- running the frozen target on plain rows -------------------------------------------------------
 
-def row_metadata(rows: int, seq_len: int, device: torch.device):
+def row_metadata(rows: int, seq_len: int, device: torch.device, kv_cache: torch.Tensor):
     """Each row is one sequence of seq_len new tokens in its own block of a [rows*seq_len]-slot cache."""
-    return build_metadata([seq_len] * rows, [seq_len] * rows, [[i] for i in range(rows)], seq_len, device)
+    return build_metadata([seq_len] * rows, [seq_len] * rows, [[i] for i in range(rows)], seq_len, device,
+                          kv_cache=kv_cache)
 
 
 @torch.no_grad()
@@ -73,16 +74,10 @@ def target_outputs(model, ids: torch.Tensor, aux_layers: tuple[int, ...]) -> tup
     a = layers[0]
     scratch = torch.zeros(2, rows * length, a.num_kv_heads, a.head_dim, dtype=model.lm_head.weight.dtype,
                           device=device)
-    saved = [layer.kv_cache for layer in layers]
-    for layer in layers:
-        layer.kv_cache = scratch
-    try:
-        positions = torch.arange(length, device=device).repeat(rows)
-        hidden, aux = model(ids.flatten(), positions, row_metadata(rows, length, device), aux_layers)
-        logits = model.compute_logits(hidden)
-    finally:
-        for layer, cache in zip(layers, saved):
-            layer.kv_cache = cache
+    kv_cache = scratch.expand(len(layers), *scratch.shape)  # [layers, 2, slots, kv_heads, head_dim], one memory
+    positions = torch.arange(length, device=device).repeat(rows)
+    hidden, aux = model(ids.flatten(), positions, row_metadata(rows, length, device, kv_cache), aux_layers)
+    logits = model.compute_logits(hidden)
     feats = torch.cat(aux, dim=-1).float().view(rows, length, -1)
     return feats, logits.float().view(rows, length, -1)
 
@@ -145,8 +140,8 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
     rows, length = ids.shape
     device = ids.device
     attn = draft.attention_layers()[0]
-    cache = torch.zeros(2, rows * steps * length, attn.num_kv_heads, attn.head_dim, device=device)
-    attn.kv_cache = cache  # no grad itself; index writes put it in the graph
+    # [1 layer, k/v, slots, kv_heads, head_dim]: no grad itself; index writes put it in the graph
+    cache = torch.zeros(1, 2, rows * steps * length, attn.num_kv_heads, attn.head_dim, device=device)
     tables = [[i] for i in range(rows)]
     masks = ttt_masks(length, steps)
     d2t_ids = t2d.nonzero().squeeze(-1)  # draft id -> target id
@@ -162,7 +157,7 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
         tokens = ids[:, tok_pos].flatten()
         positions = (origin + s).repeat(rows)
         meta = build_metadata([length] * rows, [(s + 1) * length] * rows, tables, steps * length, device,
-                              tree_masks=[masks[s]] * rows)
+                              tree_masks=[masks[s]] * rows, kv_cache=cache)
         out, hidden = draft(tokens, hidden, positions, meta)  # [B*L, Vd], [B*L, H]
         out = out.view(rows, length, -1)[:, valid]
         want = target_logp[:, tok_pos][:, valid]
@@ -176,7 +171,6 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
         losses.append(loss.item())
         accs.append(acc.item())
         counts.append(n)
-    attn.kv_cache = None
     return total, losses, accs, counts
 
 
