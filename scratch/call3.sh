@@ -1,3 +1,0 @@
-export PYTHONPATH=$PWD
-timeout 170 python -m pytest -q -x tests/test_spec_loop.py tests/test_speculative.py tests/test_triton_kernels.py tests/test_attention.py tests/test_parity.py tests/test_sampling.py tests/test_seeds.py tests/test_batch_verify.py > $OUT/tests.log 2>&1; echo TESTS_RC=$?; tail -4 $OUT/tests.log
-timeout 400 python benchmarks/synthetic_sweep.py --configs plain,chain,tree,adaptive-tree --profiles strong,shipped,weak --levels 1,2,5,10,30,70,100,250 --requests 16,16,20,40,60,140,200,500 --max-tokens 100 --prompt-len-min 128 --prompt-len-max 512 --warmup 3 --out $OUT/s.json > $OUT/sweep.log 2>&1; echo RC=$?; grep -a "C=" $OUT/sweep.log | grep -a adaptive
