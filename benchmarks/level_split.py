@@ -26,7 +26,7 @@ from specserve.assets import SHIPPED_DRAFT, SHIPPED_TARGET  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import LLMEngine  # noqa: E402
 from specserve.sampling_params import SamplingParams  # noqa: E402
-from specserve.speculative.controller import PLAIN  # noqa: E402
+from specserve.speculative.shapes import PLAIN  # noqa: E402
 
 
 def build(name: str, device: str, max_seqs: int) -> LLMEngine:

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from specserve.speculative.controller import PLAIN, Controller, Shape, candidate_shapes
+from specserve.speculative.controller import Controller
+from specserve.speculative.shapes import PLAIN, Shape, candidate_shapes
 
 SHAPES = candidate_shapes(steps=3, topk=1, num_nodes=4)  # plain, chains of 1, 2, 3
 

@@ -112,7 +112,7 @@ def test_shape_switches_inside_a_run(pair, prompts, plain):
     """The controller's shape changes every few steps (chains of 1-4 and the tree; plain now and then, which
     ends a run): runs go on across the switches without draining, and every verdict equals the
     synchronous path's."""
-    from specserve.speculative.controller import PLAIN
+    from specserve.speculative.shapes import PLAIN
 
     seen = {}
     for loop in (True, False):

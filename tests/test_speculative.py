@@ -186,7 +186,7 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     """The adaptive controller's step costs are measured before the first request, for every shape at
     batch sizes 1, 2, 4, ... up to max_num_seqs; the dummy requests leave no trace (counters, KV blocks,
     request table) and the output stays that of plain decoding."""
-    from specserve.speculative.controller import bucket
+    from specserve.speculative.shapes import bucket
 
     target, draft = pair
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
@@ -223,7 +223,7 @@ def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_o
     target's features and catch the draft up when it drafts. Alternating plain phases of several lengths
     with chain steps, both must propose the same trees (they depend on every stored pair) and decode
     what plain decoding does; a second pass starts on blocks the first one cached."""
-    from specserve.speculative.controller import PLAIN
+    from specserve.speculative.shapes import PLAIN
 
     target, draft = pair
     prompts, want = plain_outputs

@@ -15,8 +15,8 @@ from ..device import to_device
 from ..models import ArchConfig, read_config
 from ..sampling_params import SamplingParams
 from ..speculative.batch_verify import process_drafts
-from ..speculative.controller import PLAIN, Shape
 from ..speculative.decoder import LoopFlight, SpecDecoder
+from ..speculative.shapes import PLAIN, Shape
 from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardOutput, ModelRunner

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
-from .controller import Shape
+from .shapes import Shape
 from .synthetic import SyntheticAcceptance
 
 log = logging.getLogger(__name__)

@@ -41,9 +41,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from .estimates import Pinned, Recent, StepTimes
-from .shapes import PLAIN, Shape, bucket, candidate_shapes
-
-__all__ = ["PLAIN", "Controller", "Shape", "bucket", "candidate_shapes"]
+from .shapes import PLAIN, Shape, bucket
 
 
 class Controller:

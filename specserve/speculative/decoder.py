@@ -20,8 +20,9 @@ from ..engine.sequence import Sequence
 from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
 from .calibration import Calibration, calibrate
-from .controller import PLAIN, Controller, Shape, candidate_shapes
+from .controller import Controller
 from .eagle3_loop import LoopFlight
+from .shapes import PLAIN, Shape, candidate_shapes
 from .tree import DraftTree
 from .verify import Verdict
 

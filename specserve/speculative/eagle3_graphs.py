@@ -20,7 +20,7 @@ from ..device import RowGather, to_device
 from ..engine.cuda_graph import capture_all, capture_sizes
 from ..engine.sequence import Sequence
 from ..layers.triton_attention import TritonMetadata, block_q_for, padded_tables, tree_bitmask
-from .controller import Shape
+from .shapes import Shape
 
 if TYPE_CHECKING:
     from .eagle3_proposer import Eagle3Proposer

@@ -29,8 +29,8 @@ from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.triton_attention import padded_tables, tree_bitmask
 from .batch_verify import path_verdict, verify_batch, verify_greedy_chains
-from .controller import Shape
 from .eagle3_proposer import DraftState
+from .shapes import Shape
 from .synthetic import spine_path
 from .tree import device_trees
 

@@ -23,11 +23,11 @@ from ..device import RowGather, to_device
 from ..engine.sequence import Sequence
 from ..layers.attention import AttentionBackend, TorchBackend
 from ..models import ArchConfig
-from .controller import Shape
 from .eagle3 import Eagle3Draft, load_eagle3
 from .eagle3_follow import DraftFollower
 from .eagle3_graphs import DraftGraphs
 from .proposer import Proposer
+from .shapes import Shape
 from .synthetic import SyntheticAcceptance
 from .tree import DraftTree, device_chains, select_trees
 

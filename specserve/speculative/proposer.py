@@ -7,7 +7,7 @@ from typing import Optional, Protocol, Union
 import torch
 
 from ..engine.sequence import Sequence
-from .controller import Shape
+from .shapes import Shape
 from .tree import DraftTree
 
 
