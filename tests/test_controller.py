@@ -382,3 +382,21 @@ def test_a_step_is_priced_by_the_tokens_it_emits():
         step = base[shape.k] + per_token * (tokens - batch)
         c.record_step(batch, shape, step * (1 + rng.uniform(-0.05, 0.05)), tokens=tokens)
     assert sum(s == PLAIN for s in chosen[300:]) >= 0.95 * 1200
+
+
+def test_one_odd_plain_step_does_not_reprice_the_bucket():
+    """On the H200 (8B shape, C=250) the first decode-only step after a run of prefill steps took 35.6 ms
+    where plain's start-up time was 8 ms; read alone, it made plain look 3.7x dearer, and a chain that
+    loses to plain was chosen for the rest of the level. One odd step must not move the speed index;
+    a real drift (three steps in a row) still does."""
+    cost = lambda s, n=None: 0.008 * (1 + 0.7 * s.k)  # noqa: E731
+    c = calibrated(cost)
+    c.pin_acceptance([0.4])
+    assert c.choose(250) == PLAIN
+    c.record_step(250, PLAIN, 0.008)  # plain's window of times is full: its steps now move the speed index
+    c.record_step(250, PLAIN, 0.0356)
+    assert c.seconds(256, PLAIN, 250) == pytest.approx(cost(PLAIN), rel=0.01)
+    assert c.choose(250) == PLAIN
+    for _ in range(2):
+        c.record_step(250, PLAIN, 0.016)
+    assert c.seconds(256, PLAIN, 250) == pytest.approx(0.016, rel=0.01)

@@ -255,7 +255,9 @@ class Controller:
         return self._base(b, shape, batch_size) + self.token_seconds * tokens
 
     def speed(self, b: int) -> float:
-        """Bucket b's speed index: the median speed plain's latest steps implied (1 before any)."""
+        """Bucket b's speed index: the median speed plain's latest steps implied (1 before any; the window
+        begins with `speed_window // 2` ones, so a drift moves it after a majority of steps show it and a
+        single odd step never does)."""
         implied = self.implied_speed.get(b)
         return implied.median if implied else 1.0
 
@@ -334,9 +336,11 @@ class Controller:
         if shape == PLAIN and self._samples(b, shape) >= self.window:
             # plain's times are known: its steps move the speed index (all shapes alike), not them
             implied = self.implied_speed.get(b)
-            if implied is None:
-                implied = self.implied_speed[b] = Recent(self.speed_window)
-            before = implied.median if len(implied) else 1.0
+            if implied is None:  # begun with a minority at the index its times were kept at: one odd step
+                implied = self.implied_speed[b] = Recent(self.speed_window)  # (a wait on a prefill) moves nothing
+                for _ in range(self.speed_window // 2):
+                    implied.add(1.0)
+            before = implied.median
             implied.add(seconds / self._cost(b, shape, batch_size, tokens))
             since = self.plain_since[b] = self.plain_since.get(b, 0) + 1
             if since <= self.min_samples and self.unanchored.get(b):  # as long as a probe of plain
