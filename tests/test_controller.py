@@ -400,3 +400,28 @@ def test_one_odd_plain_step_does_not_reprice_the_bucket():
     for _ in range(2):
         c.record_step(250, PLAIN, 0.016)
     assert c.seconds(256, PLAIN, 250) == pytest.approx(0.016, rel=0.01)
+
+
+def test_a_step_with_a_prompt_speculates_where_its_added_tokens_come_cheap():
+    """Worked example on the H200's figures (8B shape; session 13 trace): beside a prompt a step runs
+    eagerly, and its verify tokens add compute to a step the prompt made compute-bound. At batch 8 the
+    decode-only steps pay 0.28 ms a token, and a chain of 3 adds 15.6 tokens for 3.5 ms beside a prompt:
+    it keeps the chain. At batch 128 decode-only tokens cost 0.042 ms, and a chain of 1 adds 102 tokens
+    for 11 ms beside a prompt (0.11 ms each): it decodes plain there. Unmeasured, a prompt step decodes
+    plain."""
+    decode = {8: {0: 5.2, 1: 5.8, 2: 6.3, 3: 6.7}, 128: {0: 6.64, 1: 9.64, 2: 14.0, 3: 20.9}}
+    prompt = {8: {0: 10.0, 1: 11.0, 2: 11.5, 3: 12.0}, 128: {0: 30.0, 1: 38.0, 2: 45.0, 3: 52.0}}
+    times = {(n, s): [decode[n][s.k] * 1e-3] * 4 for n in decode for s in SHAPES}
+    extra = {(n, s): [prompt[n][s.k] * 1e-3] * 2 for n in prompt for s in SHAPES}
+    c = Controller("adaptive", SHAPES)
+    c.seed_costs(times, prompt_extra=extra)
+    c.pin_acceptance([0.8])
+    assert c.choose(8) == SHAPES[3] and c.choose(8, prefill=lambda: True) == SHAPES[3]
+    assert c.choose(128) == SHAPES[1] and c.choose(128, prefill=lambda: True) == PLAIN
+    assert c.choose(128, prefill=lambda: False) == SHAPES[1]
+    assert c.explain()["buckets"][8]["k_beside_prompt"] == 3
+    assert c.explain()["buckets"][128]["k_beside_prompt"] == 0
+    unmeasured = Controller("adaptive", SHAPES)
+    unmeasured.seed_costs(times)
+    unmeasured.pin_acceptance([0.8])
+    assert unmeasured.choose(8) == SHAPES[3] and unmeasured.choose(8, prefill=lambda: True) == PLAIN

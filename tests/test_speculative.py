@@ -202,8 +202,12 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert none[1] == [4] * 6 and every[1] == [4 * (chain.steps + 1)] * 6
     assert spec.calibration.token_seconds >= 0 and spec.controller.token_seconds == spec.calibration.token_seconds
     assert all(spec.controller._priced(bucket(n), s) for n, s in times)
+    extra = spec.calibration.prompt_extra  # what a prompt arriving adds, below max_num_seqs (8): one more fits
+    assert set(extra) == {(n, s) for n in (1, 2, 4) for s in spec.shapes} and all(len(v) == 2 for v in extra.values())
+    assert all((bucket(n), s) in spec.controller.prompt_extra for n, s in extra)
     explained = spec.controller.explain()["calibration"]
     assert explained["seconds"] > 0 and set(explained["step_ms"]) == {1, 2, 4, 8}
+    assert set(explained["prompt_extra_ms"]) == {1, 2, 4}
     assert engine.stats.num_steps == engine.stats.num_prompt_tokens == engine.stats.spec.num_drafts == 0
     assert not engine.requests
     assert_pool_full(llm)

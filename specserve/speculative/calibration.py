@@ -5,9 +5,13 @@ for each batch size 1, 2, 4, ... up to max_num_seqs (as far as the KV pool holds
 budget `speculative_calibration_s` lasts; larger batches are priced from the largest measured one's
 cost ratios, see `Controller._cost`), timed steps of each shape the controller may pick, interleaved
 between the shapes. CUDA graphs are captured before, so a step here is what a live step costs: graph
-replays plus the host's work. The requests are aborted and the engine's counters restored afterwards;
-only the table remains (`Controller.seed_costs`). Acceptance is not measured here: random prompts say
-nothing about the workload's, which the controller learns online.
+replays plus the host's work. Then, per shape, what a prompt arriving adds to a step of it
+(`prompt_extra`): windows of steps whose first one also prefills a new request's prompt, against windows
+without (a step with a prompt runs eagerly and synchronously, and its verify tokens add compute to a step
+the prompt made compute-bound, so its price differs from a decode-only step's). The requests are aborted
+and the engine's counters restored afterwards; only the tables remain (`Controller.seed_costs`).
+Acceptance is not measured here: random prompts say nothing about the workload's, which the controller
+learns online.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
-from .shapes import Shape
+from .shapes import PLAIN, Shape
 from .synthetic import SyntheticAcceptance
 
 log = logging.getLogger(__name__)
@@ -33,6 +37,9 @@ class Calibration:
 
     times: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
     tokens: dict[tuple[int, Shape], list[int]] = field(default_factory=dict)
+    # per (batch size, shape): seconds a prompt of `prompt_tokens[batch size]` adds to a step of the shape
+    prompt_extra: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
+    prompt_tokens: dict[int, int] = field(default_factory=dict)
     token_seconds: float = 0.0
     # per batch size: (seconds, tokens) of the longest chain's steps accepting nothing, and everything
     token_steps: dict[int, tuple[list, list]] = field(default_factory=dict)
@@ -43,7 +50,11 @@ class Calibration:
         table: dict = {}
         for (n, shape), ts in sorted(self.times.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
             table.setdefault(n, {})[shape.label] = round(statistics.median(ts) * 1e3, 3)
-        return {"seconds": round(self.seconds, 2), "step_ms": table, "token_ms": round(self.token_seconds * 1e3, 4)}
+        prompt: dict = {}
+        for (n, shape), ts in sorted(self.prompt_extra.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
+            prompt.setdefault(n, {"tokens": self.prompt_tokens[n]})[shape.label] = round(statistics.median(ts) * 1e3, 3)
+        return {"seconds": round(self.seconds, 2), "step_ms": table, "prompt_extra_ms": prompt,
+                "token_ms": round(self.token_seconds * 1e3, 4)}
 
     def fit_token_seconds(self) -> None:
         """Host seconds per emitted token: the extra time of the steps that accepted every draft over those
@@ -67,13 +78,16 @@ def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
 
 
 def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 2,
-              timed: int = 3) -> Calibration:
+              timed: int = 3, arriving_len: int = 512, prompt_timed: int = 2) -> Calibration:
     """Time `rounds` x `timed` steps of every shape at the batch sizes of `batch_sizes` in turn, each run
     after `warmup` untimed steps (the switch from the shape before; for plain decoding the overlap pipeline
     fills in two steps, the first one's time read in the second), with dummy requests of `prompt_len`
     random tokens, as long as the next size (guessed to take twice the last) fits in `budget_s` seconds.
     At batch size 4 it also times the longest chain accepting nothing and everything (synthetic
-    verdicts), for the host time per emitted token. The engine must be idle; it is idle again afterwards."""
+    verdicts), for the host time per emitted token. Then, with what is left of the budget and from the
+    smallest size again, `prompt_timed` times per shape what a prompt of up to `arriving_len` tokens
+    arriving adds to a step (`_prompt_extra`; skipped where the step's token budget leaves it under 64
+    tokens or no request more fits). The engine must be idle; it is idle again afterwards."""
     start = time.perf_counter()
     saved = copy.deepcopy(engine.stats)
     spec = engine.spec
@@ -81,30 +95,21 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     result = Calibration()
     chain = max((s for s in shapes if s.topk == 1 and s.steps), key=lambda s: s.steps, default=None)
     steps_per_size = rounds * (warmup + timed) * (len(shapes) + (2 if chain else 0))
-    longest = prompt_len + steps_per_size * max(s.num_nodes for s in shapes) + spec.num_slots(shapes[-1]) + 1
+    most_nodes = max(s.num_nodes for s in shapes)
+    longest = prompt_len + steps_per_size * most_nodes + spec.num_slots(shapes[-1]) + 1
     max_len = engine.config.model.max_model_len
     if longest >= max_len:
         prompt_len = max(1, prompt_len - (longest - max_len + 1))
         longest = max_len - 1
+    arriving_len = min(arriving_len, max_len - 1 - spec.num_slots(shapes[-1]) - 4 * most_nodes)
     block = engine.config.cache.block_size
-    fits = int(0.8 * engine.blocks.num_free_blocks) // -(-longest // block)
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0, max_tokens=max_len - prompt_len, ignore_eos=True)
-    seqs = []
+    room = int(0.8 * engine.blocks.num_free_blocks) - -(-(arriving_len + 8 * most_nodes) // block)
+    dummies = _Dummies(engine, prompt_len, max_len)
     try:
-        last = 0.0
-        sizes = batch_sizes(engine.config.scheduler.max_num_seqs, fits)
+        sizes = batch_sizes(engine.config.scheduler.max_num_seqs, room // -(-longest // block))
         token_size = sizes[min(2, len(sizes) - 1)] if sizes else 0  # batch 4: enough tokens, cheap steps
-        for n in sizes:
-            began = time.perf_counter()
-            if began - start + 2 * last > budget_s:
-                break
-            while len(seqs) < n:
-                prompt = [rng.randrange(engine.arch.vocab_size) for _ in range(prompt_len)]
-                seqs.append(engine.add_request(prompt, params, request_id=f"calibration-{len(seqs)}"))
-            spec.forced = shapes[0]
-            while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
-                engine.step()
+
+        def decode_steps(n: int) -> None:
             for _ in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
                 for shape in shapes:
                     times, tokens = _timed_steps(engine, shape, warmup, timed)
@@ -117,19 +122,76 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
                         for values, got in zip((times, tokens), _timed_steps(engine, chain, warmup, timed)):
                             values.extend(got)
                         spec.synthetic = synthetic
-            last = time.perf_counter() - began
+
+        measured = _within_budget(dummies, sizes, start, budget_s, decode_steps)
         result.fit_token_seconds()
+        dummies.abort()
+        arriving = {n: min(arriving_len, engine.config.scheduler.max_num_batched_tokens - n * most_nodes)
+                    for n in measured if n < engine.config.scheduler.max_num_seqs}
+        arriving = {n: a for n, a in arriving.items() if a >= 64}
+
+        def prompt_steps(n: int) -> None:
+            result.prompt_tokens[n] = arriving[n]
+            for shape in shapes:
+                result.prompt_extra[(n, shape)] = _prompt_extra(engine, shape, warmup, prompt_timed, dummies.rng,
+                                                                arriving[n], most_nodes)
+
+        _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps,
+                       first_guess=lambda n: 2.5 * len(shapes) * prompt_timed * _arrival(engine, dummies.rng,
+                                                                                          arriving[n], most_nodes))
     finally:
         spec.forced, spec.synthetic = None, synthetic
-        for seq in seqs:
-            engine.abort(seq.request_id)
-        while engine.has_unfinished():
-            engine.step()
+        dummies.abort()
         _restore(engine.stats, saved)
     result.seconds = time.perf_counter() - start
-    log.info("speculation: step costs of %d shapes at batch sizes %s measured in %.1f s", len(shapes),
-             sorted({n for n, _ in result.times}), result.seconds)
+    log.info("speculation: step costs of %d shapes at batch sizes %s (a prompt beside: %s) measured in %.1f s",
+             len(shapes), sorted({n for n, _ in result.times}), sorted(result.prompt_tokens), result.seconds)
     return result
+
+
+class _Dummies:
+    """The calibration's dummy requests: random prompts, greedy, no stop."""
+
+    def __init__(self, engine, prompt_len: int, max_len: int):
+        self.engine, self.prompt_len, self.seqs = engine, prompt_len, []
+        self.rng = random.Random(0)
+        self.params = SamplingParams(temperature=0, max_tokens=max_len - prompt_len, ignore_eos=True)
+
+    def grow(self, n: int) -> None:
+        """n requests running, their prompts computed."""
+        engine = self.engine
+        while len(self.seqs) < n:
+            prompt = [self.rng.randrange(engine.arch.vocab_size) for _ in range(self.prompt_len)]
+            self.seqs.append(engine.add_request(prompt, self.params, request_id=f"calibration-{len(self.seqs)}"))
+        engine.spec.forced = PLAIN
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in self.seqs):
+            engine.step()
+
+    def abort(self) -> None:
+        """None left, the engine idle."""
+        for seq in self.seqs:
+            self.engine.abort(seq.request_id)
+        self.seqs = []
+        while self.engine.has_unfinished():
+            self.engine.step()
+
+
+def _within_budget(dummies: _Dummies, sizes: list[int], start: float, budget_s: float, measure,
+                   first_guess=None) -> list[int]:
+    """measure(n) at each size in turn, with n dummy requests running, as long as the next one (guessed to
+    take twice the last; the first: first_guess(n), or nothing) fits in the budget; the sizes measured."""
+    done, last = [], 0.0
+    for n in sizes:
+        began = time.perf_counter()
+        if began - start + 2 * last > budget_s:
+            break
+        dummies.grow(n)
+        if not done and first_guess is not None and time.perf_counter() - start + first_guess(n) > budget_s:
+            break
+        measure(n)
+        done.append(n)
+        last = time.perf_counter() - began
+    return done
 
 
 def _timed_steps(engine, shape: Shape, warmup: int, timed: int) -> tuple[list[float], list[int]]:
@@ -144,6 +206,43 @@ def _timed_steps(engine, shape: Shape, warmup: int, timed: int) -> tuple[list[fl
         times.append(time.perf_counter() - t0)
         tokens.append(engine.stats.num_generation_tokens - emitted)
     return times, tokens
+
+
+def _prompt_extra(engine, shape: Shape, warmup: int, timed: int, rng: random.Random, prompt_len: int,
+                  most_nodes: int, window: int = 3) -> list[float]:
+    """Seconds a prompt adds to a step of this shape, `timed` times: a window of `window` steps whose
+    first one also prefills a new request's `prompt_len` random tokens, less the window of as many steps
+    before it. A window spans the step's own device time whichever way it is read (an overlapped step is
+    waited for in the step after it; a looped step launches in one and is read in the next), and the
+    arrival's follow-on work (the new row's first decode, a restarted loop) with it. The request is
+    aborted after its window, and one untimed step settles the batch again."""
+    engine.spec.forced = shape
+    for _ in range(warmup):
+        engine.step()
+    extras = []
+    for _ in range(timed):
+        before = _window(engine, window)
+        extras.append(_arrival(engine, rng, prompt_len, most_nodes, window) - before)
+        engine.step()
+    return extras
+
+
+def _arrival(engine, rng: random.Random, prompt_len: int, most_nodes: int, window: int = 3) -> float:
+    """The seconds of `window` steps whose first one prefills a new request's `prompt_len` random tokens
+    (aborted after them)."""
+    params = SamplingParams(temperature=0, max_tokens=4 * most_nodes, ignore_eos=True)
+    seq = engine.add_request([rng.randrange(engine.arch.vocab_size) for _ in range(prompt_len)], params,
+                             request_id="calibration-arriving")
+    seconds = _window(engine, window)
+    engine.abort(seq.request_id)
+    return seconds
+
+
+def _window(engine, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return time.perf_counter() - start
 
 
 def _restore(obj, saved) -> None:

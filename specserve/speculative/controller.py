@@ -18,13 +18,15 @@ Policies:
   draft is priced against, and a draft's own steps refine only its own estimate (a draft dearer live
   than measured at start-up, on long contexts or beside a server's host work, must not make plain
   look dearer too).
-  Steps that also compute prompt tokens decode plain (as SGLang speculates only in decode batches): such a
-  step runs synchronously beside the prefill, outside the overlapped loop, and its verify tokens add
-  compute to a step the prompt already made compute-bound. Only decode-only steps are timed and decided
-  on. (Keeping the bucket's choice beside prefills was tried on the H200, 8B shape: it gained 4-5% where
-  requests arrive every few steps, C = 5-10, and lost 5-12% at C >= 70, where most steps carry a prompt.
-  Deciding prompt steps on their own measured times was tried too, and lost at C >= 30: see
-  docs/performance.md, session 12.)
+  A step that also computes prompt tokens runs eagerly and synchronously beside the prefill, outside the
+  overlapped loop, and its verify tokens add compute to a step the prompt made compute-bound: its
+  price is not a decode-only step's. Start-up measures what a prompt adds to a step of each shape
+  (`prompt_extra`), and such a step keeps the bucket's choice only when the tokens speculation adds
+  there cost less than the bucket's decode-only steps pay per token (they would make those tokens
+  later); else it decodes plain (as SGLang speculates only in decode batches). On the H200, 8B shape,
+  the tokens a chain adds beside a prompt cost 69-112 us each at C = 70-250, where decode-only steps
+  make them at 47-59 us, and little at C = 5-10 where a decode-only token costs 200 us. Only decode-only
+  steps are timed live.
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
@@ -38,6 +40,7 @@ Policies:
 """
 from __future__ import annotations
 
+import statistics
 from typing import Callable, Optional
 
 from .estimates import Pinned, Recent, StepTimes
@@ -87,6 +90,9 @@ class Controller:
         self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
+        # per (bucket, shape): seconds a prompt adds to a step of the shape (start-up, speed index 1)
+        self.prompt_extra: dict[tuple[int, Shape], float] = {}
+        self.beside: dict[int, Shape] = {}  # per bucket: the shape of its latest step with a prompt
         self.calibration: Optional[dict] = None  # what the start-up measurement found and cost (for explain)
         # host seconds per token a step emits (detokenizing, stop checks, KV blocks: a verify that accepts
         # more costs more); step times are kept without it and priced with each shape's expected tokens
@@ -104,8 +110,26 @@ class Controller:
         if self.policy == "threshold":
             return PLAIN if batch_size > self.threshold else self.configured
         if prefill is not None and prefill():
-            return PLAIN
+            return self._beside_prompt(bucket(batch_size), batch_size)
         return self._adaptive(bucket(batch_size), batch_size)
+
+    def _beside_prompt(self, b: int, batch_size: int) -> Shape:
+        """A step with a prompt: the bucket's choice if the tokens it adds over plain decoding there cost
+        less (hysteresis included) than the bucket's decode-only steps pay per token, else plain (also
+        while the bucket has no choice, or start-up did not measure a prompt beside both)."""
+        best = self.current.get(b)
+        extra = self.prompt_extra
+        self.beside[b] = PLAIN
+        if best is None or best == PLAIN or (b, best) not in extra or (b, PLAIN) not in extra \
+                or not (self._priced(b, best) and self._priced(b, PLAIN)):
+            return PLAIN
+        decode = self.seconds(b, best, batch_size)
+        per_token = decode / (batch_size * self.expected_tokens(best))
+        added = decode - self.seconds(b, PLAIN, batch_size) + self.speed(b) * (extra[(b, best)] - extra[(b, PLAIN)])
+        gained = batch_size * (self.expected_tokens(best) - 1.0)
+        if added * (1 + 2 * self.hysteresis) < gained * per_token:
+            self.beside[b] = best
+        return self.beside[b]
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
         self.steps_taken += 1
@@ -159,12 +183,13 @@ class Controller:
         return {"policy": self.policy}
 
     def _explain(self) -> dict:
-        current, predicted, decided, explored = (dict(d) for d in (self.current, self.predicted, self.decided,
-                                                                   self.explored))
+        current, predicted, decided, explored, beside = (dict(d) for d in (self.current, self.predicted, self.decided,
+                                                                           self.explored, self.beside))
         served, lost = dict(self.serving_time), dict(self.exploration_loss)
         buckets = {}
         for b in sorted(decided):
             buckets[b] = {"k": current[b].k if b in current else None,
+                          "k_beside_prompt": beside[b].k if b in beside else None,
                           "exploration_share": explored.get(b, 0) / decided[b],
                           "exploration_loss_share": lost.get(b, 0.0) / served[b] if served.get(b) else 0.0,
                           "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()}}
@@ -384,14 +409,22 @@ class Controller:
         self.exploration_loss[b] = self.exploration_loss.get(b, 0.0) + loss
 
     def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None,
-                   tokens: Optional[dict[tuple[int, Shape], list[int]]] = None, token_seconds: float = 0.0) -> None:
+                   tokens: Optional[dict[tuple[int, Shape], list[int]]] = None, token_seconds: float = 0.0,
+                   prompt_extra: Optional[dict[tuple[int, Shape], list[float]]] = None) -> None:
         """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the
         seconds of a few steps and the tokens each emitted, and the host seconds per emitted token. They
         stand as each shape's estimate in the batch size's bucket until live steps (of the chosen shape)
-        or probes (of the others) replace them. `summary` is shown by `explain`."""
+        or probes (of the others) replace them. `prompt_extra`: per (batch size, shape), the seconds a
+        prompt added to a step (its median stands for the bucket; kept, not refreshed: steps with a
+        prompt are not timed live). `summary` is shown by `explain`."""
         self.calibration = summary
         self.token_seconds = token_seconds
         self.changes += 1
+        pooled: dict[tuple[int, Shape], list[float]] = {}
+        for (n, shape), seconds in (prompt_extra or {}).items():
+            for b in {bucket(n), bucket(n + 1)}:
+                pooled.setdefault((b, shape), []).extend(seconds)
+        self.prompt_extra.update({key: statistics.median(v) for key, v in pooled.items()})
         for (n, shape), seconds in times.items():
             emitted = (tokens or {}).get((n, shape)) or [n] * len(seconds)
             # a bucket's own batch size, and the lower edge of the next one (64 for 65..128): plain's line

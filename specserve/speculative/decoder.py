@@ -84,7 +84,7 @@ class SpecDecoder:
             return
         self.calibration = calibrate(engine, self.shapes, budget)
         c = self.calibration
-        self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds)
+        self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds, c.prompt_extra)
 
     def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
         """The next step's shape (prefill(): will it also compute prompt tokens? See `Controller.choose`)."""
