@@ -405,14 +405,14 @@ def test_one_odd_plain_step_does_not_reprice_the_bucket():
 def test_a_step_with_a_prompt_speculates_where_its_added_tokens_come_cheap():
     """Worked example on the H200's figures (8B shape; session 13 trace): beside a prompt a step runs
     eagerly, and its verify tokens add compute to a step the prompt made compute-bound. At batch 8 the
-    decode-only steps pay 0.28 ms a token, and a chain of 3 adds 15.6 tokens for 3.5 ms beside a prompt:
-    it keeps the chain. At batch 128 decode-only tokens cost 0.042 ms, and a chain of 1 adds 102 tokens
-    for 11 ms beside a prompt (0.11 ms each): it decodes plain there. Unmeasured, a prompt step decodes
-    plain."""
+    decode-only steps pay 0.28 ms a token, and a chain of 3 adds 15.6 tokens for 3.5 ms over a plain
+    step with the prompt: it keeps the chain. At batch 128 decode-only tokens cost 0.042 ms, and a chain
+    of 1 adds 102 tokens for 11 ms (0.11 ms each): it decodes plain there. Unmeasured, a prompt step
+    decodes plain."""
     decode = {8: {0: 5.2, 1: 5.8, 2: 6.3, 3: 6.7}, 128: {0: 6.64, 1: 9.64, 2: 14.0, 3: 20.9}}
-    prompt = {8: {0: 10.0, 1: 11.0, 2: 11.5, 3: 12.0}, 128: {0: 30.0, 1: 38.0, 2: 45.0, 3: 52.0}}
+    over_plain = {8: {1: 2.0, 2: 2.8, 3: 3.5}, 128: {1: 11.0, 2: 17.0, 3: 28.0}}
     times = {(n, s): [decode[n][s.k] * 1e-3] * 4 for n in decode for s in SHAPES}
-    extra = {(n, s): [prompt[n][s.k] * 1e-3] * 2 for n in prompt for s in SHAPES}
+    extra = {(n, s): [over_plain[n][s.k] * 1e-3] * 2 for n in over_plain for s in SHAPES if s.k}
     c = Controller("adaptive", SHAPES)
     c.seed_costs(times, prompt_extra=extra)
     c.pin_acceptance([0.8])

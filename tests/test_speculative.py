@@ -202,8 +202,9 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert none[1] == [4] * 6 and every[1] == [4 * (chain.steps + 1)] * 6
     assert spec.calibration.token_seconds >= 0 and spec.controller.token_seconds == spec.calibration.token_seconds
     assert all(spec.controller._priced(bucket(n), s) for n, s in times)
-    extra = spec.calibration.prompt_extra  # what a prompt arriving adds, below max_num_seqs (8): one more fits
-    assert set(extra) == {(n, s) for n in (1, 2, 4) for s in spec.shapes} and all(len(v) == 2 for v in extra.values())
+    extra = spec.calibration.prompt_extra  # a draft's step with a prompt over plain's, below max_num_seqs (8)
+    drafts = [s for s in spec.shapes if s.steps]
+    assert set(extra) == {(n, s) for n in (1, 2, 4) for s in drafts} and all(len(v) == 3 for v in extra.values())
     assert all((bucket(n), s) in spec.controller.prompt_extra for n, s in extra)
     explained = spec.controller.explain()["calibration"]
     assert explained["seconds"] > 0 and set(explained["step_ms"]) == {1, 2, 4, 8}

@@ -5,10 +5,10 @@ for each batch size 1, 2, 4, ... up to max_num_seqs (as far as the KV pool holds
 budget `speculative_calibration_s` lasts; larger batches are priced from the largest measured one's
 cost ratios, see `Controller._cost`), timed steps of each shape the controller may pick, interleaved
 between the shapes. CUDA graphs are captured before, so a step here is what a live step costs: graph
-replays plus the host's work. Then, per shape, what a prompt arriving adds to a step of it
-(`prompt_extra`): windows of steps whose first one also prefills a new request's prompt, against windows
-without (a step with a prompt runs eagerly and synchronously, and its verify tokens add compute to a step
-the prompt made compute-bound, so its price differs from a decode-only step's). The requests are aborted
+replays plus the host's work. Then, per draft shape, what its step costs over a plain one when it also
+prefills a new request's prompt (`prompt_extra`): windows of steps opened by such a step in the shape
+and in plain (a step with a prompt runs eagerly and synchronously, and its verify tokens add compute
+to a step the prompt made compute-bound, so its price is not a decode-only step's). The requests are aborted
 and the engine's counters restored afterwards; only the tables remain (`Controller.seed_costs`).
 Acceptance is not measured here: random prompts say nothing about the workload's, which the controller
 learns online.
@@ -37,7 +37,8 @@ class Calibration:
 
     times: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
     tokens: dict[tuple[int, Shape], list[int]] = field(default_factory=dict)
-    # per (batch size, shape): seconds a prompt of `prompt_tokens[batch size]` adds to a step of the shape
+    # per (batch size, draft shape): seconds its step with a prompt of `prompt_tokens[batch size]` tokens
+    # costs over a plain step with it (`_prompt_extra`)
     prompt_extra: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     token_seconds: float = 0.0
@@ -78,16 +79,16 @@ def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
 
 
 def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 2,
-              timed: int = 3, arriving_len: int = 512, prompt_timed: int = 2) -> Calibration:
+              timed: int = 3, arriving_len: int = 512, prompt_timed: int = 3) -> Calibration:
     """Time `rounds` x `timed` steps of every shape at the batch sizes of `batch_sizes` in turn, each run
     after `warmup` untimed steps (the switch from the shape before; for plain decoding the overlap pipeline
     fills in two steps, the first one's time read in the second), with dummy requests of `prompt_len`
     random tokens, as long as the next size (guessed to take twice the last) fits in `budget_s` seconds.
     At batch size 4 it also times the longest chain accepting nothing and everything (synthetic
     verdicts), for the host time per emitted token. Then, with what is left of the budget and from the
-    smallest size again, `prompt_timed` times per shape what a prompt of up to `arriving_len` tokens
-    arriving adds to a step (`_prompt_extra`; skipped where the step's token budget leaves it under 64
-    tokens or no request more fits). The engine must be idle; it is idle again afterwards."""
+    smallest size again, `prompt_timed` times per draft shape what its step with a prompt of up to
+    `arriving_len` tokens costs over a plain one (`_prompt_extra`; skipped where the step's token budget
+    leaves the prompt under 64 tokens or no request more fits). The engine must be idle; it is idle again afterwards."""
     start = time.perf_counter()
     saved = copy.deepcopy(engine.stats)
     spec = engine.spec
@@ -130,15 +131,19 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
                     for n in measured if n < engine.config.scheduler.max_num_seqs}
         arriving = {n: a for n, a in arriving.items() if a >= 64}
 
+        drafts = [s for s in shapes if s.steps]
+
         def prompt_steps(n: int) -> None:
             result.prompt_tokens[n] = arriving[n]
-            for shape in shapes:
+            for shape in drafts:
                 result.prompt_extra[(n, shape)] = _prompt_extra(engine, shape, warmup, prompt_timed, dummies.rng,
                                                                 arriving[n], most_nodes)
 
-        _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps,
-                       first_guess=lambda n: 2.5 * len(shapes) * prompt_timed * _arrival(engine, dummies.rng,
-                                                                                          arriving[n], most_nodes))
+        def guess(n: int) -> float:  # one arrival window timed, as many as the size takes (+ its settling)
+            once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN)
+            return 2.5 * len(drafts) * prompt_timed * once
+
+        _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps, first_guess=guess)
     finally:
         spec.forced, spec.synthetic = None, synthetic
         dummies.abort()
@@ -210,39 +215,41 @@ def _timed_steps(engine, shape: Shape, warmup: int, timed: int) -> tuple[list[fl
 
 def _prompt_extra(engine, shape: Shape, warmup: int, timed: int, rng: random.Random, prompt_len: int,
                   most_nodes: int, window: int = 3) -> list[float]:
-    """Seconds a prompt adds to a step of this shape, `timed` times: a window of `window` steps whose
-    first one also prefills a new request's `prompt_len` random tokens, less the window of as many steps
-    before it. A window spans the step's own device time whichever way it is read (an overlapped step is
-    waited for in the step after it; a looped step launches in one and is read in the next), and the
-    arrival's follow-on work (the new row's first decode, a restarted loop) with it. The request is
-    aborted after its window, and one untimed step settles the batch again."""
+    """Seconds a draft shape's step with a prompt costs over a plain one, when the steps after it are the
+    shape's either way, `timed` times: a window of `window` steps whose first one also prefills a new
+    request's `prompt_len` random tokens, in the shape, less the same window with that first step plain.
+    A window spans the first step's device time whichever way it is read (an overlapped step is waited
+    for in the step after it; a looped step launches in one and is read in the next) and the arrival's
+    follow-on work (the draft catching up on the new prompt, a restarted loop), which both pay."""
     engine.spec.forced = shape
     for _ in range(warmup):
         engine.step()
     extras = []
-    for _ in range(timed):
-        before = _window(engine, window)
-        extras.append(_arrival(engine, rng, prompt_len, most_nodes, window) - before)
-        engine.step()
+    for i in range(timed):
+        order = (shape, PLAIN) if i % 2 == 0 else (PLAIN, shape)  # neither always second: drift cancels
+        seconds = {first: _arrival(engine, rng, prompt_len, most_nodes, first, shape, window) for first in order}
+        extras.append(seconds[shape] - seconds[PLAIN])
     return extras
 
 
-def _arrival(engine, rng: random.Random, prompt_len: int, most_nodes: int, window: int = 3) -> float:
-    """The seconds of `window` steps whose first one prefills a new request's `prompt_len` random tokens
-    (aborted after them)."""
+def _arrival(engine, rng: random.Random, prompt_len: int, most_nodes: int, first: Shape, then: Shape,
+             window: int = 3) -> float:
+    """The seconds of `window` steps whose first one (of shape `first`, the others `then`) prefills a new
+    request's `prompt_len` random tokens; the request is aborted after them, and one untimed step of
+    `then` settles the batch again."""
     params = SamplingParams(temperature=0, max_tokens=4 * most_nodes, ignore_eos=True)
     seq = engine.add_request([rng.randrange(engine.arch.vocab_size) for _ in range(prompt_len)], params,
                              request_id="calibration-arriving")
-    seconds = _window(engine, window)
-    engine.abort(seq.request_id)
-    return seconds
-
-
-def _window(engine, steps: int) -> float:
+    engine.spec.forced = first
     start = time.perf_counter()
-    for _ in range(steps):
+    engine.step()
+    engine.spec.forced = then
+    for _ in range(window - 1):
         engine.step()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    engine.abort(seq.request_id)
+    engine.step()
+    return seconds
 
 
 def _restore(obj, saved) -> None:

@@ -20,13 +20,13 @@ Policies:
   look dearer too).
   A step that also computes prompt tokens runs eagerly and synchronously beside the prefill, outside the
   overlapped loop, and its verify tokens add compute to a step the prompt made compute-bound: its
-  price is not a decode-only step's. Start-up measures what a prompt adds to a step of each shape
-  (`prompt_extra`), and such a step keeps the bucket's choice only when the tokens speculation adds
-  there cost less than the bucket's decode-only steps pay per token (they would make those tokens
-  later); else it decodes plain (as SGLang speculates only in decode batches). On the H200, 8B shape,
-  the tokens a chain adds beside a prompt cost 69-112 us each at C = 70-250, where decode-only steps
-  make them at 47-59 us, and little at C = 5-10 where a decode-only token costs 200 us. Only decode-only
-  steps are timed live.
+  price is not a decode-only step's. Start-up measures what a draft shape's step with a prompt costs
+  over a plain one (`prompt_extra`), and such a step keeps the bucket's choice only when the tokens
+  speculation adds there cost less than the bucket's decode-only steps pay per token (they would make
+  those tokens later); else it decodes plain (as SGLang speculates only in decode batches). On the
+  H200, 8B shape, the tokens a chain added beside a prompt cost 69-112 us each at C = 70-250, where
+  decode-only steps made them at 47-59 us, and little at C = 5-10 where a decode-only token cost
+  200 us. Only decode-only steps are timed live.
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
@@ -90,7 +90,7 @@ class Controller:
         self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
-        # per (bucket, shape): seconds a prompt adds to a step of the shape (start-up, speed index 1)
+        # per (bucket, draft shape): seconds its step with a prompt costs over a plain one (start-up, index 1)
         self.prompt_extra: dict[tuple[int, Shape], float] = {}
         self.beside: dict[int, Shape] = {}  # per bucket: the shape of its latest step with a prompt
         self.calibration: Optional[dict] = None  # what the start-up measurement found and cost (for explain)
@@ -116,16 +116,13 @@ class Controller:
     def _beside_prompt(self, b: int, batch_size: int) -> Shape:
         """A step with a prompt: the bucket's choice if the tokens it adds over plain decoding there cost
         less (hysteresis included) than the bucket's decode-only steps pay per token, else plain (also
-        while the bucket has no choice, or start-up did not measure a prompt beside both)."""
+        while the bucket has no choice, or start-up did not measure the choice beside a prompt)."""
         best = self.current.get(b)
-        extra = self.prompt_extra
         self.beside[b] = PLAIN
-        if best is None or best == PLAIN or (b, best) not in extra or (b, PLAIN) not in extra \
-                or not (self._priced(b, best) and self._priced(b, PLAIN)):
+        if best is None or best == PLAIN or (b, best) not in self.prompt_extra or not self._priced(b, best):
             return PLAIN
-        decode = self.seconds(b, best, batch_size)
-        per_token = decode / (batch_size * self.expected_tokens(best))
-        added = decode - self.seconds(b, PLAIN, batch_size) + self.speed(b) * (extra[(b, best)] - extra[(b, PLAIN)])
+        per_token = self.seconds(b, best, batch_size) / (batch_size * self.expected_tokens(best))
+        added = self.speed(b) * self.prompt_extra[(b, best)]
         gained = batch_size * (self.expected_tokens(best) - 1.0)
         if added * (1 + 2 * self.hysteresis) < gained * per_token:
             self.beside[b] = best
@@ -414,9 +411,9 @@ class Controller:
         """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the
         seconds of a few steps and the tokens each emitted, and the host seconds per emitted token. They
         stand as each shape's estimate in the batch size's bucket until live steps (of the chosen shape)
-        or probes (of the others) replace them. `prompt_extra`: per (batch size, shape), the seconds a
-        prompt added to a step (its median stands for the bucket; kept, not refreshed: steps with a
-        prompt are not timed live). `summary` is shown by `explain`."""
+        or probes (of the others) replace them. `prompt_extra`: per (batch size, draft shape), the seconds
+        its step with a prompt cost over a plain one (the median stands for the bucket; kept, not
+        refreshed: steps with a prompt are not timed live). `summary` is shown by `explain`."""
         self.calibration = summary
         self.token_seconds = token_seconds
         self.changes += 1
