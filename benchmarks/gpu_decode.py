@@ -95,7 +95,7 @@ def specserve_part(args, arch, ceil) -> dict:
     runner = engine.runner
     out["profile"] = {b: profile(runner.graphs, b) for b in (1, max_bs) if (b, 1) in runner.graphs.graphs}
     verify_bs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_bs]
-    graphs = GraphRunner(runner.model, runner.kv_cache, runner.block_size, max(verify_bs),
+    graphs = GraphRunner(runner.model, runner.backend, runner.kv_cache, runner.block_size, max(verify_bs),
                          runner.graphs.block_tables.shape[1], [1, 2, 4, 8], (), runner.group, runner.scratch_slot,
                          runner.device)
     graphs.capture()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import to_device
-from ..layers.triton_attention import TritonMetadata, block_q_for, new_token_slots, padded_tables, tree_bits
+from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,17 @@ class StepInputs:
 
 
 class GraphRunner:
-    def __init__(self, model, kv_cache: torch.Tensor, block_size: int, max_bs: int, max_blocks: int,
-                 tokens_per_seq: list[int], aux_layers: tuple[int, ...], group: int, scratch_slot: int,
-                 device: torch.device, follow=None, pad_index: int = 0, max_graph_tokens: int = 2048):
-        """follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
+    def __init__(self, model, backend: AttentionBackend, kv_cache: torch.Tensor, block_size: int, max_bs: int,
+                 max_blocks: int, tokens_per_seq: list[int], aux_layers: tuple[int, ...], group: int,
+                 scratch_slot: int, device: torch.device, follow=None, pad_index: int = 0,
+                 max_graph_tokens: int = 2048):
+        """backend: an attention backend with `graphs` (its `static_metadata` over the buffers below);
+        follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
         run, beside the model on a second stream and after it on their auxiliary hidden states, which they
         then do not output; pad_index: the request index its padding rows get; kv_cache: the model's
         [layers, k/v, slots + scratch, kv_heads, head_dim]."""
-        self.model, self.kv_cache, self.block_size, self.aux_layers, self.group = (model, kv_cache, block_size,
-                                                                                 aux_layers, group)
+        self.model, self.backend, self.kv_cache, self.block_size = model, backend, kv_cache, block_size
+        self.aux_layers, self.group = aux_layers, group
         self.follow, self.pad_index = follow, pad_index
         self.side = torch.cuda.Stream(device) if follow is not None else None
         self.scratch_slot, self.device = scratch_slot, device
@@ -96,10 +98,7 @@ class GraphRunner:
         self.block_tables = torch.zeros(max_bs, max_blocks, **i32)
         self.seq_lens = torch.zeros(max_bs, **i32)
         self.tree_lens = torch.zeros(max_bs, **i32)
-        self.tile_seq = torch.arange(max_bs, **i32)
         self.req_indices = torch.full((max_bs,), pad_index, **i64)  # follow's rows
-        self.tile_q0 = torch.zeros(max_bs, **i32)
-        self.q_starts = {q: torch.arange(0, max_bs * q, q, **i32) for q in self.sizes}
         self.q_lens = {q: torch.full((max_bs,), q, **i32) for q in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -107,13 +106,11 @@ class GraphRunner:
         self.replays = 0
 
     # ---- capture ------------------------------------------------------------------------------
-    def _meta(self, bs: int, q: int) -> TritonMetadata:
+    def _meta(self, bs: int, q: int):
         n = bs * q
-        return TritonMetadata(slot_mapping=self.slots[:n], block_tables=self.block_tables[:bs],
-                              seq_lens=self.seq_lens[:bs], q_starts=self.q_starts[q][:bs], q_lens=self.q_lens[q][:bs],
-                              tree_bits=self.tree_bits[:n], tree_lens=self.tree_lens[:bs], tile_seq=self.tile_seq[:bs],
-                              tile_q0=self.tile_q0[:bs], block_q=block_q_for(q, self.group), page=self.block_size,
-                              kv_cache=self.kv_cache)
+        return self.backend.static_metadata(self.slots[:n], self.block_tables[:bs], self.seq_lens[:bs],
+                                            self.q_lens[q][:bs], self.tree_bits[:n], self.tree_lens[:bs], q,
+                                            self.group, self.block_size, self.kv_cache)
 
     def _run(self, bs: int, q: int):
         n = bs * q
@@ -170,7 +167,7 @@ class GraphRunner:
         if follows:
             self.req_indices[:bs].copy_(longs[3 * n:])
         if any(t is not None for t in step.trees):
-            self.tree_bits[:n].copy_(tree_bits(step.trees, step.q_lens, self.device))
+            self.tree_bits[:n].copy_(self.backend.tree_bits(step.trees, step.q_lens, self.device))
         else:
             self.tree_bits[:n].zero_()
         self.slots[n:bs * q].fill_(self.scratch_slot)

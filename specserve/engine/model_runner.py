@@ -121,9 +121,9 @@ class ModelRunner:
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         follow = self.follower if aux_layers else None
-        self.graphs = GraphRunner(self.model, self.kv_cache, self.block_size, ex.cuda_graph_max_bs, max_blocks,
-                                  tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device, follow,
-                                  self.config.scheduler.max_num_seqs)
+        self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, self.block_size, ex.cuda_graph_max_bs,
+                                  max_blocks, tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device,
+                                  follow, self.config.scheduler.max_num_seqs)
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
@@ -253,8 +253,7 @@ class ModelRunner:
         seq.num_tokens (what seeded sampling is keyed by); and the logits they were drawn from (processed for
         requests with penalties, logit_bias or min_tokens: logprobs are taken from these)."""
         logits = process_logits(logits, seqs, self.pending_tokens)
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                              [s.num_tokens for s in seqs])
+        tokens = self.sampler(logits, [s.params for s in seqs], None, [s.num_tokens for s in seqs])
         return tokens, logits
 
     def logprobs(self, logits, tokens, seqs: list[Sequence]) -> list[Optional[TokenLogprob]]:

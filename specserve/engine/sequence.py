@@ -5,8 +5,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-import torch
-
 from ..layers.grammar import make_grammar
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -56,7 +54,6 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
         self.num_preemptions = 0
-        self.generator: Optional[torch.Generator] = None
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
         self.req_index = -1  # while running: its row in per-request device buffers (< max_num_seqs)
         self.num_pending = 0  # tokens sampled on the device, not yet known here (overlap scheduling)

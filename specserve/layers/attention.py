@@ -77,8 +77,10 @@ class AttentionBackend:
     seq_lens[i] positions, whose cache slots block_tables[i] (blocks of block_size) give; tree_masks[i]
     ([q_len, m] bool, or None) sets the visibility of its last m keys; group: query heads per KV head;
     kv_cache: [layers, 2, slots, kv_heads, head_dim], the cache the step's layers read and write.
-    `graphs`: its metadata has fixed shapes that CUDA graphs capture and replay (engine/cuda_graph.py and
-    speculative/eagle3_graphs.py build it in place)."""
+    A backend with `graphs` also builds metadata over fixed-shape device tensors (`static_metadata`), which
+    CUDA graphs capture and the host refills before each replay (engine/cuda_graph.py,
+    speculative/eagle3_graphs.py, speculative/eagle3_loop.py), its trees encoded by the backend's
+    `tree_bits` / `tree_bitmask`."""
 
     name = ""
     graphs = False
@@ -87,6 +89,15 @@ class AttentionBackend:
                  device: torch.device, group: int = 1, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
                  kv_cache: Optional[torch.Tensor] = None):
         raise NotImplementedError
+
+    def static_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
+                        page: int, kv_cache: torch.Tensor, skip_first_key: bool = False):
+        """Metadata of `batch` rows of q query slots each (q_lens[b] of them real): slot_mapping [batch * q]
+        int64, block_tables [batch, max_blocks] int32, seq_lens / q_lens / tree_lens [batch] int32 (a row's
+        kv length with its new tokens; 0 for a padding row), tree_bits [batch * q] int64 (`tree_bits`);
+        skip_first_key hides key 0 of every row (the EAGLE-3 draft stores pairs one slot late)."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
 
 
 class TorchBackend(AttentionBackend):
@@ -99,16 +110,40 @@ class TorchBackend(AttentionBackend):
 
 
 class TritonBackend(AttentionBackend):
-    """The paged Triton kernel (CUDA; triton_attention.build_triton_metadata)."""
+    """The paged Triton kernel (CUDA; triton_attention.build_triton_metadata, static_triton_metadata)."""
 
     name = "triton"
     graphs = True
+
+    def __init__(self):
+        self.constants: dict = {}  # static metadata's tile tensors per (batch, q, device)
 
     def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None, kv_cache=None):
         from .triton_attention import build_triton_metadata  # imports triton: only on CUDA
 
         return build_triton_metadata(q_lens, seq_lens, block_tables, block_size, device, group, tree_masks,
                                      kv_cache)
+
+    def static_metadata(self, slot_mapping, block_tables, seq_lens, q_lens, tree_bits, tree_lens, q, group, page,
+                        kv_cache, skip_first_key=False):
+        from .triton_attention import static_triton_metadata
+
+        return static_triton_metadata(slot_mapping, block_tables, seq_lens, q_lens, tree_bits, tree_lens, q, group,
+                                      page, kv_cache, skip_first_key, self.constants)
+
+    @staticmethod
+    def tree_bitmask(tree: torch.Tensor) -> torch.Tensor:
+        """[..., q, m] bool visibility over the last m keys -> [..., q] int64 (bit j = key j), same device."""
+        from .triton_attention import tree_bitmask
+
+        return tree_bitmask(tree)
+
+    @staticmethod
+    def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: torch.device) -> torch.Tensor:
+        """[num_tokens] int64 bitmasks of a step's queries (0 for sequences without a tree)."""
+        from .triton_attention import tree_bits
+
+        return tree_bits(trees, q_lens, device)
 
 
 BACKENDS = {"torch": TorchBackend, "triton": TritonBackend}
@@ -119,6 +154,20 @@ def attention_backend(name: str) -> AttentionBackend:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
     return BACKENDS[name]()
+
+
+def new_token_slots(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+                    ) -> list[int]:
+    """Cache slot of each new token: q_lens[i] tokens ending at position seq_lens[i] - 1 of sequence i."""
+    return [table[p // block_size] * block_size + p % block_size
+            for q, n, table in zip(q_lens, seq_lens, block_tables) for p in range(n - q, n)]
+
+
+def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """[batch, longest table] int32, zero-padded."""
+    width = max(1, max(len(t) for t in block_tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+
 
 
 def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,

@@ -180,24 +180,13 @@ def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: to
     return torch.cat(parts)
 
 
-def new_token_slots(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
-                    ) -> list[int]:
-    """Cache slot of each new token: q_lens[i] tokens ending at position seq_lens[i] - 1 of sequence i."""
-    return [table[p // block_size] * block_size + p % block_size
-            for q, n, table in zip(q_lens, seq_lens, block_tables) for p in range(n - q, n)]
-
-
-def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
-    """[batch, longest table] int32, zero-padded."""
-    width = max(1, max(len(t) for t in block_tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-
-
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
                           tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
                           kv_cache: Optional[torch.Tensor] = None) -> TritonMetadata:
     """The triton backend's metadata (the contract of attention.AttentionBackend.metadata)."""
+    from .attention import new_token_slots, padded_tables
+
     batch = len(q_lens)
     block_q = block_q_for(max(q_lens), group)
     q_starts, tree_lens, tile_seq, tile_q0 = [], [], [], []
@@ -220,3 +209,20 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
                           tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache)
+
+
+def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
+                           page: int, kv_cache: torch.Tensor, skip_first_key: bool,
+                           constants: dict) -> TritonMetadata:
+    """The triton backend's metadata over fixed-shape device tensors (attention.AttentionBackend.static_metadata):
+    one tile per sequence of at most q <= 16 queries. `constants` caches the tile tensors per (batch, q)."""
+    bs, dev = seq_lens.shape[0], seq_lens.device
+    key = (bs, q, dev)
+    if key not in constants:  # made in a capture's warm-up run, outside the graph
+        i32 = dict(dtype=torch.int32, device=dev)
+        constants[key] = (torch.arange(0, bs * q, q, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
+    q_starts, tile_seq, tile_q0 = constants[key]
+    return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
+                          q_lens=q_lens, tree_bits=tree_bits, tree_lens=tree_lens, tile_seq=tile_seq, tile_q0=tile_q0,
+                          block_q=block_q_for(q, group), page=page, skip_first_key=skip_first_key, kv_cache=kv_cache)

@@ -108,8 +108,8 @@ class SpecDecoder:
         it asked). Nothing is committed to the sequences: that is the engine's."""
         check = self.synthetic.verify_batch if self.synthetic is not None else None
         chains = shape.topk == 1
-        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [s.generator for s in seqs], chains, check,
-                                 [s.num_tokens for s in seqs], self.runner.generator)
+        verdicts = verify_drafts(trees, logits, [s.params for s in seqs], [None] * len(seqs), chains, check,
+                                 [s.num_tokens for s in seqs], self.runner.generator)  # unseeded rows: the engine's
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
         self.record_accepted(shape, [v.num_accepted for v in verdicts])

@@ -19,7 +19,7 @@ import torch
 from ..device import RowGather, to_device
 from ..engine.cuda_graph import capture_all, capture_sizes
 from ..engine.sequence import Sequence
-from ..layers.triton_attention import TritonMetadata, block_q_for, padded_tables, tree_bitmask
+from ..layers.attention import padded_tables
 from .shapes import Shape
 
 if TYPE_CHECKING:
@@ -52,17 +52,12 @@ class DraftGraphs:
 
     # ---- what the graph runs ---------------------------------------------------------------------
     def _meta(self, bs: int, q: int, seq_lens: torch.Tensor, q_lens: torch.Tensor, slots: torch.Tensor,
-              tree_bits: torch.Tensor, tree_len: int) -> TritonMetadata:
+              tree_bits: torch.Tensor, tree_len: int):
         """Metadata of q query slots per row (q_lens[b] of them real) ending at kv length seq_lens[b]."""
-        dev = seq_lens.device
-        return TritonMetadata(
-            slot_mapping=slots, block_tables=self.tables[:bs], seq_lens=seq_lens.int(),
-            q_starts=torch.arange(0, bs * q, q, dtype=torch.int32, device=dev), q_lens=q_lens,
-            tree_bits=tree_bits, tree_lens=torch.full((bs,), tree_len, dtype=torch.int32, device=dev),
-            tile_seq=torch.arange(bs, dtype=torch.int32, device=dev),
-            tile_q0=torch.zeros(bs, dtype=torch.int32, device=dev),
-            block_q=block_q_for(q, self.proposer.group), page=self.proposer.block_size, skip_first_key=True,
-            kv_cache=self.proposer.kv_cache)
+        p = self.proposer
+        tree_lens = torch.full((bs,), tree_len, dtype=torch.int32, device=seq_lens.device)
+        return p.backend.static_metadata(slots, self.tables[:bs], seq_lens.int(), q_lens, tree_bits, tree_lens, q,
+                                         p.group, p.block_size, p.kv_cache, skip_first_key=True)
 
     def _slots(self, bs: int, kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """[bs * n] cache slots of kv indices kv [bs, n]; the scratch slot where not valid or not live."""
@@ -90,7 +85,8 @@ class DraftGraphs:
         k, dev = tokens.shape[1], tokens.device
         seq_lens = self.ends[:bs] + depth * k + 1
         kv = seq_lens[:, None] - k + torch.arange(k, device=dev)  # [bs, K]
-        bits = tree_bitmask(ancestors).view(-1) if k > 1 else torch.zeros(bs, dtype=torch.long, device=dev)
+        bits = self.proposer.backend.tree_bitmask(ancestors).view(-1) if k > 1 else \
+            torch.zeros(bs, dtype=torch.long, device=dev)
         meta = self._meta(bs, k, seq_lens, torch.full((bs,), k, dtype=torch.int32, device=dev),
                           self._slots(bs, kv, torch.ones_like(kv, dtype=torch.bool)), bits, depth * k if k > 1 else 0)
         positions = (self.ends[:bs] + depth - 1).repeat_interleave(k)

@@ -27,7 +27,7 @@ import torch
 from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
-from ..layers.triton_attention import padded_tables, tree_bitmask
+from ..layers.attention import padded_tables
 from .batch_verify import path_verdict, verify_batch, verify_greedy_chains
 from .eagle3_proposer import DraftState
 from .shapes import Shape
@@ -124,7 +124,7 @@ class SpecLoop:
         drafts, parents, depths, mask = device_trees(*cands, self.proposer.candidate_depths(shape), n)
         first = torch.zeros_like(root)
         return (torch.cat([root, drafts], 1), torch.cat([first - 1, parents], 1), torch.cat([first, depths], 1),
-                tree_bitmask(mask))
+                self.proposer.backend.tree_bitmask(mask))
 
     def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, chain: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:

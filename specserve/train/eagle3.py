@@ -231,7 +231,7 @@ def train(opts: TrainOptions) -> dict:
     opt = torch.optim.AdamW(params, lr=opts.lr, weight_decay=opts.weight_decay)
     step = 0
     if state is not None:
-        draft.load_state_dict(state["draft"], strict=False)
+        draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
     t2d = t2d.to(device)
