@@ -42,7 +42,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
 def test_distribution_matches(llm, next_token_logits, case):
-    torch.manual_seed(100 + CASES.index(case))  # each case's draws independent of the cases before it
+    # each case's draws independent of the cases before it: unseeded rows draw from the engine's generator
+    llm.engine.runner.generator.manual_seed(100 + CASES.index(case))
     counts = first_token_counts(llm, SamplingParams(max_tokens=1, ignore_eos=True, **case))
     want = reference_distribution(next_token_logits, **case)
     assert chi_square_pvalue(counts, want) > 1e-3
