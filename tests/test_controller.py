@@ -425,3 +425,21 @@ def test_a_step_with_a_prompt_speculates_where_its_added_tokens_come_cheap():
     unmeasured.seed_costs(times)
     unmeasured.pin_acceptance([0.8])
     assert unmeasured.choose(8) == SHAPES[3] and unmeasured.choose(8, prefill=lambda: True) == PLAIN
+
+
+def test_verify_tokens_that_push_prompt_tokens_out_of_the_step_are_charged():
+    """At batch 250 a chain of 2 adds 500 verify tokens. With 300 prompt tokens waiting they fit beside
+    the prompt in a 2048-token step, and the chain is kept (its measured extra, 9 ms, buys 427 tokens that
+    decode-only steps make at 27 us each). With 4,000 waiting the step is full of prompt tokens: 500 of
+    them move to a later step at 24 us each (12 ms more), and the step decodes plain."""
+    chain2 = Shape(2, 1, 3)
+    shapes = [PLAIN, Shape(1, 1, 2), chain2]
+    decode = {PLAIN: 8.0, shapes[1]: 13.5, chain2: 18.0}
+    c = Controller("adaptive", shapes, token_budget=2048)
+    c.seed_costs({(n, s): [decode[s] * 1e-3] * 4 for n in (128, 250) for s in shapes},
+                 prompt_extra={(250, s): [9e-3] * 3 for s in shapes[1:]}, prompt_token_seconds=24e-6)
+    c.pin_acceptance([0.9, 0.9])
+    assert c.choose(250) == chain2
+    assert c.choose(250, prefill=lambda: 300) == chain2
+    assert c.choose(250, prefill=lambda: 4000) == PLAIN
+    assert c.choose(250, prefill=lambda: 0) == chain2  # nothing waiting: a decode-only step

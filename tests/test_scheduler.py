@@ -93,3 +93,18 @@ def test_prefill_pending_names_the_steps_that_will_compute_prompt_tokens():
         run(s.schedule())
     s.add(request("c", 3))
     assert not s.prefill_pending()  # c waits, but two requests already run: it cannot be admitted
+
+
+def test_prompt_tokens_pending_counts_what_the_coming_steps_must_prefill():
+    """The rest of a chunked prompt and the prompts of the waiting requests that may be admitted (not
+    those beyond max_num_seqs); 0 once every running request decodes."""
+    s = make(max_num_batched_tokens=8, max_num_seqs=2)
+    s.add(request("a", 3))
+    s.add(request("b", 20))
+    s.add(request("c", 5))
+    assert s.prompt_tokens_pending() == 3 + 20  # c waits beyond max_num_seqs
+    run(s.schedule())  # a's 3, b's first 5
+    assert s.prompt_tokens_pending() == 15 and s.prefill_pending()
+    while s.prompt_tokens_pending():
+        run(s.schedule())
+    assert not s.prefill_pending()

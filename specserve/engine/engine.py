@@ -215,7 +215,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.spec is not None:
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prefill_pending)
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending)
         outputs, released = [], False
         if self.flight is not None:
             if self._loop_continues():
@@ -230,7 +230,7 @@ class LLMEngine:
         released = released or any(o.finished for o in outputs)
         if self.shape.steps and released and self.scheduler.prefill_pending():
             # the drained step freed a slot that a prompt takes in this one
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), lambda: True)
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending)
         start = time.perf_counter()  # the drained step's device time belongs to that step
         emitted = self.stats.num_generation_tokens
         batch = self.scheduler.schedule(self._decode_shape)

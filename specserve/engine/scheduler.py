@@ -43,6 +43,14 @@ class Scheduler:
             return True
         return any(seq.num_uncomputed_tokens > 1 for seq in self.running)
 
+    def prompt_tokens_pending(self) -> int:
+        """Prompt tokens the coming steps must compute (0: none; else the next step computes some): the rest
+        of running requests' prompts (chunked, or recomputed after preemption) and the prompts of the
+        waiting requests that may be admitted."""
+        pending = sum(seq.num_uncomputed_tokens for seq in self.running if seq.num_uncomputed_tokens > 1)
+        room = self.config.max_num_seqs - len(self.running)
+        return pending + sum(seq.num_uncomputed_tokens for _, seq in zip(range(room), self.waiting))
+
     def schedule(self, decode_shape: Callable[[Sequence], tuple[int, int]] = lambda seq: (1, 1)
                  ) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens

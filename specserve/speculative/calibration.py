@@ -41,6 +41,7 @@ class Calibration:
     # costs over a plain step with it (`_prompt_extra`)
     prompt_extra: dict[tuple[int, Shape], list[float]] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_token_seconds: float = 0.0  # what a prompt token costs: an arrival's window over plain steps
     token_seconds: float = 0.0
     # per batch size: (seconds, tokens) of the longest chain's steps accepting nothing, and everything
     token_steps: dict[int, tuple[list, list]] = field(default_factory=dict)
@@ -55,6 +56,7 @@ class Calibration:
         for (n, shape), ts in sorted(self.prompt_extra.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
             prompt.setdefault(n, {"tokens": self.prompt_tokens[n]})[shape.label] = round(statistics.median(ts) * 1e3, 3)
         return {"seconds": round(self.seconds, 2), "step_ms": table, "prompt_extra_ms": prompt,
+                "prompt_token_us": round(self.prompt_token_seconds * 1e6, 3),
                 "token_ms": round(self.token_seconds * 1e3, 4)}
 
     def fit_token_seconds(self) -> None:
@@ -140,7 +142,9 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
                                                                 arriving[n], most_nodes)
 
         def guess(n: int) -> float:  # one arrival window timed, as many as the size takes (+ its settling)
-            once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN)
+            once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN, window=3)
+            plain = 3 * statistics.median(result.times[(n, PLAIN)])
+            result.prompt_token_seconds = max(0.0, once - plain) / arriving[n]
             return 2.5 * len(drafts) * prompt_timed * once
 
         _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps, first_guess=guess)

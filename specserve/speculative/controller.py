@@ -23,10 +23,11 @@ Policies:
   price is not a decode-only step's. Start-up measures what a draft shape's step with a prompt costs
   over a plain one (`prompt_extra`), and such a step keeps the bucket's choice only when the tokens
   speculation adds there cost less than the bucket's decode-only steps pay per token (they would make
-  those tokens later); else it decodes plain (as SGLang speculates only in decode batches). On the
-  H200, 8B shape, the tokens a chain added beside a prompt cost 69-112 us each at C = 70-250, where
-  decode-only steps made them at 47-59 us, and little at C = 5-10 where a decode-only token cost
-  200 us. Only decode-only steps are timed live.
+  those tokens later); else it decodes plain (as SGLang speculates only in decode batches). Where
+  prompts fill the step's token budget, its verify tokens also push prompt tokens to later steps,
+  which is charged too. On the H200, 8B shape, the tokens a chain added beside a prompt cost 69-112 us
+  each at C = 70-250, where decode-only steps made them at 47-59 us, and little at C = 5-10 where a
+  decode-only token cost 200 us. Only decode-only steps are timed live.
   A switch needs a clear gain (hysteresis), a draft is chosen only while it clearly beats plain
   decoding (near-ties go to plain), and the shape whose estimate is oldest is probed so a dropped one
   can come back and acceptance is sampled while plain runs: `min_samples` steps whose times replace its
@@ -50,7 +51,9 @@ from .shapes import PLAIN, Shape, bucket
 class Controller:
     def __init__(self, policy: str, shapes: list[Shape], threshold: int = 32, hysteresis: float = 0.03,
                  probe_every: int = 64, acceptance_window: int = 512, min_samples: int = 3, window: int = 9,
-                 prior_samples: int = 16, speed_window: int = 5, exploration_budget: float = 0.02):
+                 prior_samples: int = 16, speed_window: int = 5, exploration_budget: float = 0.02,
+                 token_budget: int = 2048):
+        """token_budget: the tokens one step may compute (SchedulerConfig.max_num_batched_tokens)."""
         if policy not in ("always", "threshold", "adaptive"):
             raise ValueError(f"unknown speculative policy {policy!r}")
         self.policy = policy
@@ -93,6 +96,8 @@ class Controller:
         # per (bucket, draft shape): seconds its step with a prompt costs over a plain one (start-up, index 1)
         self.prompt_extra: dict[tuple[int, Shape], float] = {}
         self.beside: dict[int, Shape] = {}  # per bucket: the shape of its latest step with a prompt
+        self.token_budget = token_budget
+        self.prompt_token_seconds = 0.0  # what a prompt token costs to compute (start-up)
         self.calibration: Optional[dict] = None  # what the start-up measurement found and cost (for explain)
         # host seconds per token a step emits (detokenizing, stop checks, KV blocks: a verify that accepts
         # more costs more); step times are kept without it and priced with each shape's expected tokens
@@ -101,28 +106,33 @@ class Controller:
         self.exploration_loss: dict[int, float] = {}  # per bucket: of them, seconds lost to other shapes
 
     # ---- decisions ----------------------------------------------------------------------------
-    def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
-        """The shape of the next step for batch_size running requests; prefill(): will the step also compute
-        prompt tokens, which the adaptive policy decodes plain beside (see the module docstring)? Asked
-        only by that policy."""
+    def choose(self, batch_size: int, prefill: Optional[Callable[[], int]] = None) -> Shape:
+        """The shape of the next step for batch_size running requests; prefill(): the prompt tokens waiting to
+        be computed (0: none; else the step computes some, see the module docstring for the adaptive
+        policy's choice beside them). Asked only by that policy."""
         if self.policy == "always":
             return self.configured
         if self.policy == "threshold":
             return PLAIN if batch_size > self.threshold else self.configured
-        if prefill is not None and prefill():
-            return self._beside_prompt(bucket(batch_size), batch_size)
+        pending = prefill() if prefill is not None else 0
+        if pending:
+            return self._beside_prompt(bucket(batch_size), batch_size, pending)
         return self._adaptive(bucket(batch_size), batch_size)
 
-    def _beside_prompt(self, b: int, batch_size: int) -> Shape:
-        """A step with a prompt: the bucket's choice if the tokens it adds over plain decoding there cost
-        less (hysteresis included) than the bucket's decode-only steps pay per token, else plain (also
-        while the bucket has no choice, or start-up did not measure the choice beside a prompt)."""
+    def _beside_prompt(self, b: int, batch_size: int, pending: int) -> Shape:
+        """A step with `pending` prompt tokens waiting: the bucket's choice if the tokens it adds over plain
+        decoding there cost less (hysteresis included) than the bucket's decode-only steps pay per token,
+        else plain (also while the bucket has no choice, or start-up did not measure the choice beside a
+        prompt). The cost added: what start-up measured, and the prompt tokens its verify tokens push out of
+        the step's token budget, at what a prompt token costs (they are computed in a later step)."""
         best = self.current.get(b)
         self.beside[b] = PLAIN
         if best is None or best == PLAIN or (b, best) not in self.prompt_extra or not self._priced(b, best):
             return PLAIN
         per_token = self.seconds(b, best, batch_size) / (batch_size * self.expected_tokens(best))
-        added = self.speed(b) * self.prompt_extra[(b, best)]
+        verify = batch_size * (best.num_nodes - 1)  # tokens over plain decoding's one per request
+        displaced = max(0, min(verify, pending + verify - (self.token_budget - batch_size)))
+        added = self.speed(b) * (self.prompt_extra[(b, best)] + displaced * self.prompt_token_seconds)
         gained = batch_size * (self.expected_tokens(best) - 1.0)
         if added * (1 + 2 * self.hysteresis) < gained * per_token:
             self.beside[b] = best
@@ -407,15 +417,18 @@ class Controller:
 
     def seed_costs(self, times: dict[tuple[int, Shape], list[float]], summary: Optional[dict] = None,
                    tokens: Optional[dict[tuple[int, Shape], list[int]]] = None, token_seconds: float = 0.0,
-                   prompt_extra: Optional[dict[tuple[int, Shape], list[float]]] = None) -> None:
+                   prompt_extra: Optional[dict[tuple[int, Shape], list[float]]] = None,
+                   prompt_token_seconds: float = 0.0) -> None:
         """Step times measured before serving (speculative/calibration.py): per (batch size, shape), the
         seconds of a few steps and the tokens each emitted, and the host seconds per emitted token. They
         stand as each shape's estimate in the batch size's bucket until live steps (of the chosen shape)
         or probes (of the others) replace them. `prompt_extra`: per (batch size, draft shape), the seconds
         its step with a prompt cost over a plain one (the median stands for the bucket; kept, not
-        refreshed: steps with a prompt are not timed live). `summary` is shown by `explain`."""
+        refreshed: steps with a prompt are not timed live); `prompt_token_seconds`: what a prompt token cost
+        to compute. `summary` is shown by `explain`."""
         self.calibration = summary
         self.token_seconds = token_seconds
+        self.prompt_token_seconds = prompt_token_seconds
         self.changes += 1
         pooled: dict[tuple[int, Shape], list[float]] = {}
         for (n, shape), seconds in (prompt_extra or {}).items():

@@ -47,7 +47,7 @@ class SpecDecoder:
         self.proposer = make_proposer(config, target_arch, runner, self.synthetic)
         self.controller = Controller(spec.speculative_policy, candidate_shapes(
             spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
-            spec.speculative_disable_batch_threshold)
+            spec.speculative_disable_batch_threshold, token_budget=config.scheduler.max_num_batched_tokens)
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
         self.loop = None  # greedy speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
@@ -84,7 +84,8 @@ class SpecDecoder:
             return
         self.calibration = calibrate(engine, self.shapes, budget)
         c = self.calibration
-        self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds, c.prompt_extra)
+        self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds, c.prompt_extra,
+                                   c.prompt_token_seconds)
 
     def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
         """The next step's shape (prefill(): will it also compute prompt tokens? See `Controller.choose`)."""
