@@ -216,7 +216,7 @@ class Machine:
     default_draft: Optional[str]  # the shipped drafter, None when there is none
     cuda_available: bool  # torch sees a CUDA device
     triton_available: Callable[[], bool]  # the Triton attention kernels can be used
-    max_positions: Callable[[str], int]  # a model folder's max_position_embeddings (reads its config.json)
+    max_positions: Callable[[str], int]  # a model folder's longest exact context (engine/machine.py)
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,9 @@ class EngineConfig:
         longest = machine.max_positions(model)
         max_len = m.max_model_len or longest
         if max_len > longest:
-            raise ConfigError(f"max_model_len {max_len} exceeds the model's max_position_embeddings {longest}")
+            raise ConfigError(f"max_model_len {max_len} exceeds the model's longest context {longest} "
+                              f"(max_position_embeddings, or its sliding_window: specserve has no sliding-window "
+                              f"attention)")
         if not self.scheduler.enable_chunked_prefill and self.scheduler.max_num_batched_tokens < max_len:
             raise ConfigError(f"without chunked prefill max_num_batched_tokens "
                               f"({self.scheduler.max_num_batched_tokens}) must be >= max_model_len ({max_len})")

@@ -23,6 +23,18 @@ def pair(tmp_path_factory):
     return make_pair(tmp_path_factory.mktemp("specsample"), VOCAB)
 
 
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory):
+    """A tiny random Qwen3-MoE target (every layer routed) and a random EAGLE-3 draft for it."""
+    from .eagle_utils import make_eagle3_checkpoint
+    from .test_moe import make_moe_checkpoint
+
+    root = tmp_path_factory.mktemp("specsample_moe")
+    target = make_moe_checkpoint(str(root / "target"), seed=3, vocab=VOCAB, num_hidden_layers=4,
+                                 mlp_only_layers=[], decoder_sparse_step=1, norm_topk_prob=True)
+    return target, make_eagle3_checkpoint(str(root / "draft"), target, seed=1)
+
+
 def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -31,12 +43,14 @@ def target_logits(target: str, prefix: list[int]) -> torch.Tensor:
         return model(torch.tensor([prefix])).logits[0, -1]
 
 
-@pytest.mark.parametrize("spec", [dict(speculative_num_steps=2, speculative_eagle_topk=1),
-                                  dict(speculative_num_steps=3, speculative_eagle_topk=4,
-                                       speculative_num_draft_tokens=8)],
-                         ids=["chain", "tree"])
-def test_emitted_distribution_matches_target(pair, spec):
-    target, draft = pair
+CHAIN = dict(speculative_num_steps=2, speculative_eagle_topk=1)
+TREE = dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+
+
+@pytest.mark.parametrize("target, spec", [("pair", CHAIN), ("pair", TREE), ("moe_pair", CHAIN)],
+                         ids=["chain", "tree", "moe_chain"])
+def test_emitted_distribution_matches_target(request, target, spec):
+    target, draft = request.getfixturevalue(target)
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, max_num_seqs=512,
                    max_num_batched_tokens=4096, speculative_policy="always", **spec)
     outs = llm.generate([PROMPT] * N, SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS))

@@ -11,8 +11,13 @@ from ..models import ArchConfig, read_config
 
 
 def max_positions(folder: str) -> int:
-    """The model folder's max_position_embeddings (its architecture checked: UnsupportedModel if unknown)."""
-    return ArchConfig.from_dict(read_config(folder)).max_position_embeddings
+    """The longest context the engine computes exactly for the model folder (its architecture checked:
+    UnsupportedModel if unknown): max_position_embeddings, or the model's attention window where config.json
+    sets a shorter `sliding_window` (Mistral, Mixtral: sliding-window attention is not implemented)."""
+    cfg = read_config(folder)
+    longest = ArchConfig.from_dict(cfg).max_position_embeddings
+    window = cfg.get("sliding_window")
+    return min(longest, window) if isinstance(window, int) and window > 0 else longest
 
 
 def triton_available() -> bool:

@@ -1,113 +1,32 @@
 """Qwen3-MoE (Qwen3-30B-A3B / 235B-A22B layout): the Qwen3 decoder of llama.py with routed experts in place
 of the dense MLP, except in the layers config.json keeps dense (`mlp_only_layers`, `decoder_sparse_step`).
 
-Experts are stored stacked, [experts, ...], loaded from the Hub layout (one tensor per expert,
-`mlp.experts.{e}.{gate,up,down}_proj.weight`). Under tensor parallelism each expert is sharded like the
-dense MLP: gate/up by output rows (column), down by input columns (row), one all-reduce of the sum. Tokens
-are routed by a plain loop over the experts that received any (no fused kernel yet).
+Experts (layers/moe.py) are loaded from the Hub layout, one tensor per expert:
+`mlp.experts.{e}.{gate,up,down}_proj.weight`.
 """
 from __future__ import annotations
 
 import re
 from typing import Optional
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import ReplicatedLinear, ShapeMismatch, copy_checked
-from ..layers.parallel import current
+from ..layers.moe import SparseMoeBlock
 from .config import ArchConfig
 from .llama import MLP, LlamaForCausalLM
 
 EXPERT_TENSOR = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
-class Experts(nn.Module):
-    """`num_experts` SwiGLU MLPs stacked: w13 [experts, 2 * intermediate / tp, hidden] (gate rows, then up
-    rows, of this rank's shard) and w2 [experts, hidden, intermediate / tp]."""
-
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
-        super().__init__()
-        self.tp = current()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        start, end = self.tp.shard_range(intermediate)
-        self.local = end - start
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
-        self.w13.weight_loader, self.w2.weight_loader = self.load_w13, self.load_w2
-        self.w13.shard_ids = [(e, j) for e in range(num_experts) for j in (0, 1)]
-        self.w2.shard_ids = list(range(num_experts))
-
-    def _check_expert(self, e: int) -> None:
-        if not 0 <= e < self.num_experts:
-            raise ShapeMismatch(f"expert {e} out of range: the config has {self.num_experts} experts")
-
-    def load_w13(self, param, loaded, shard_id: tuple[int, int]):  # loaded: [intermediate, hidden]
-        e, j = shard_id
-        self._check_expert(e)
-        if loaded.shape[0] != self.intermediate:
-            raise ShapeMismatch(f"expert {e} {('gate', 'up')[j]}_proj: expected {self.intermediate} rows, "
-                                f"checkpoint has {tuple(loaded.shape)}")
-        start, end = self.tp.shard_range(self.intermediate)
-        copy_checked(param.data[e].narrow(0, j * self.local, self.local), loaded[start:end],
-                     f"expert {e} {('gate', 'up')[j]}_proj")
-
-    def load_w2(self, param, loaded, shard_id: int):  # loaded: [hidden, intermediate]
-        self._check_expert(shard_id)
-        if loaded.dim() != 2 or loaded.shape[1] != self.intermediate:
-            raise ShapeMismatch(f"expert {shard_id} down_proj: expected {self.intermediate} columns, "
-                                f"checkpoint has {tuple(loaded.shape)}")
-        start, end = self.tp.shard_range(self.intermediate)
-        copy_checked(param.data[shard_id], loaded[:, start:end], f"expert {shard_id} down_proj")
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden], weights and experts [n, top_k] -> sum over each token's experts of weight * MLP(x),
-        [n, hidden], all-reduced over tensor-parallel ranks."""
-        top_k = experts.shape[1]
-        flat = experts.reshape(-1)  # [n * top_k]
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        tokens = order // top_k  # [n * top_k]: the token of each grouped assignment
-        scale = weights.reshape(-1)[order].unsqueeze(1)  # [n * top_k, 1]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        out = torch.zeros_like(x)  # [n, hidden]
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            idx = tokens[start:start + count]  # [count]
-            gate, up = F.linear(x.index_select(0, idx), self.w13[e]).chunk(2, dim=-1)  # [count, local] each
-            y = F.linear(F.silu(gate) * up, self.w2[e])  # [count, hidden]
-            out.index_add_(0, idx, y * scale[start:start + count])
-            start += count
-        return self.tp.all_reduce(out)
-
-
-class SparseMoeBlock(nn.Module):
-    """Router (softmax over experts, top-k, optionally renormalised to sum 1) and the routed experts."""
-
-    def __init__(self, c: ArchConfig):
-        super().__init__()
-        raw = c.raw
-        self.num_experts = raw.get("num_experts") or raw["num_local_experts"]
-        self.top_k = raw["num_experts_per_tok"]
-        self.norm_topk_prob = raw.get("norm_topk_prob", False)
-        self.gate = ReplicatedLinear(c.hidden_size, self.num_experts)  # checkpoint: mlp.gate.weight [experts, hidden]
-        self.experts = Experts(self.num_experts, c.hidden_size, raw["moe_intermediate_size"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, experts]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [n, top_k] each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, weights.to(x.dtype), experts)
+def num_experts(raw: dict) -> int:
+    """The Hub's config.json says `num_experts`; transformers 5 saves it as `num_local_experts`."""
+    return raw.get("num_experts") or raw.get("num_local_experts") or 0
 
 
 def is_sparse(c: ArchConfig, layer: int) -> bool:
     """Whether decoder layer `layer` has routed experts (transformers' rule) rather than a dense MLP."""
     raw = c.raw
-    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
-    return (layer not in (raw.get("mlp_only_layers") or []) and experts > 0
+    return (layer not in (raw.get("mlp_only_layers") or []) and num_experts(raw) > 0
             and (layer + 1) % raw.get("decoder_sparse_step", 1) == 0)
 
 
@@ -117,7 +36,11 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     supports_cuda_graphs = False  # the torch expert loop reads each expert's token count on the host
 
     def make_mlp(self, c: ArchConfig, layer: int) -> nn.Module:
-        return SparseMoeBlock(c) if is_sparse(c, layer) else MLP(c.hidden_size, c.intermediate_size)
+        if not is_sparse(c, layer):
+            return MLP(c.hidden_size, c.intermediate_size)
+        raw = c.raw
+        return SparseMoeBlock(c.hidden_size, num_experts(raw), raw["num_experts_per_tok"],
+                              raw["moe_intermediate_size"], raw.get("norm_topk_prob", False))
 
     def checkpoint_target(self, name: str) -> Optional[tuple[str, object]]:
         """model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight -> the stacked w13 (shard (e, 0 or 1))

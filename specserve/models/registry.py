@@ -23,6 +23,7 @@ MODELS: dict[str, Family] = {
     "Qwen2ForCausalLM": Family("llama", "LlamaForCausalLM", qkv_bias=True),
     "Qwen3ForCausalLM": Family("llama", "LlamaForCausalLM", qk_norm=True),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True),
+    "MixtralForCausalLM": Family("mixtral", "MixtralForCausalLM"),
 }
 
 
