@@ -1,19 +1,25 @@
-"""Quality and speed of the shipped default pair, measured side by side in one run.
+"""Quality and speed of the shipped default pair, measured side by side in one run, on two held-out sets:
+held-out stdlib files (the files listed in the target's corpus.json) and held-out packages (whole packages
+the pair never trained on: corpus.json's `packages` with split "heldout", else those of
+scripts/corpus_packages.json; their code is read from this environment's installed distributions, which
+specserve's own dependencies provide, and the version read is reported).
 
-    python benchmarks/default_pair.py [--files 94] [--rounds 3] [--out pair.json]
+    python benchmarks/default_pair.py [--files 94] [--package-files 96] [--rounds 3] [--out pair.json]
 
-1. Acceptance: greedy continuations of every held-out stdlib file's opening (the files listed in the
-   target's corpus.json), for a chain of 3 and a tree (topk 4, 8 draft tokens): mean acceptance
-   length (bonus included) and acceptance per position.
+Per set:
+1. Acceptance: greedy continuations of each held-out file's opening, for a chain of 3 and a tree (topk 4,
+   8 draft tokens): mean acceptance length (bonus included) and acceptance per position.
 2. Plausible Python: held-out function headers (def line and docstring) continued greedily; the share
    whose body parses with `ast`.
-3. Speed at concurrency 1 on this machine: plain vs chain vs tree output tokens/s, rounds interleaved so
-   that noise hits every configuration alike; the median ratio to plain.
+3. Speed at concurrency 1 on this machine (held-out packages when found, else stdlib): plain vs chain vs
+   tree output tokens/s, rounds interleaved so that noise hits every configuration alike; the median ratio
+   to plain.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
 import json
 import os
 import statistics
@@ -46,6 +52,43 @@ def held_out_texts(stdlib: str, limit: int, target: str = SHIPPED_TARGET) -> lis
         if os.path.isfile(path):
             out.append((rel, open(path, encoding="utf-8", errors="replace").read()))
     return out
+
+
+SKIPPED_PARTS = {"tests", "test", "testing", "_vendor", "vendor", "vendored", "__pycache__"}
+
+
+def held_out_packages(target: str) -> list[str]:
+    """The packages the target never trained on: its corpus.json's held-out ones, else the recipe's list."""
+    corpus = json.load(open(os.path.join(target, "corpus.json")))
+    listed = corpus.get("packages")
+    if not listed:
+        here = os.path.dirname(os.path.abspath(__file__))
+        listed = json.load(open(os.path.join(here, "..", "scripts", "corpus_packages.json")))["packages"]
+    return [p["name"] for p in listed if p["split"] == "heldout"]
+
+
+def package_texts(names: list[str], limit: int) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """Up to `limit` (NAME/path, text) of the installed packages' own code (no tests, no vendored copies),
+    taken in turn from each package (sorted paths); and the version of each package found."""
+    per_package, versions = [], {}
+    for name in names:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        versions[name] = dist.version
+        files = sorted(str(f) for f in dist.files or [] if str(f).endswith(".py"))
+        files = [f for f in files if not SKIPPED_PARTS & set(f.split("/")[:-1]) and ".dist-info" not in f
+                 and not os.path.basename(f).startswith("test_")]
+        texts = [(f"{name}/{f}", open(dist.locate_file(f), encoding="utf-8", errors="replace").read())
+                 for f in files]
+        per_package.append([t for t in texts if t[1].strip()])
+    out = []
+    while len(out) < limit and any(per_package):
+        for texts in per_package:
+            if texts and len(out) < limit:
+                out.append(texts.pop(0))
+    return out, versions
 
 
 def acceptance(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -111,23 +154,9 @@ def speed(llms: dict, prompts: list[list[int]], max_tokens: int, rounds: int) ->
             for name, rs in rates.items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"])
-    ap.add_argument("--files", type=int, default=94, help="held-out files to use (94 = all)")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--speed-prompts", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--target", default=SHIPPED_TARGET, help="target folder (default: the shipped one)")
-    ap.add_argument("--draft", default=SHIPPED_DRAFT, help="EAGLE-3 folder (default: the shipped one)")
-    ap.add_argument("--skip-speed", action="store_true", help="acceptance and ast only")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-
-    llms = {name: LLM(args.target, **opts) for name, opts in configs(args.draft).items()}
+def evaluate(llms: dict, texts: list[tuple[str, str]], args) -> tuple[dict, list[list[int]]]:
+    """Acceptance of a chain and a tree and the ast parse rate on these held-out texts; their prompts."""
     tok = llms["plain"].tokenizer
-    texts = held_out_texts(args.stdlib, args.files, args.target)
     prompts = [tok.encode(t)[:args.prompt_tokens] for _, t in texts]
     report: dict = {"held_out_files": len(texts)}
     for name in ("chain3", "tree4x8"):
@@ -139,8 +168,36 @@ def main() -> None:
     parsed = sum(body_parses(h, ind, o.text, o.finish_reason == "length") for (h, ind), o in zip(headers, outs))
     report["ast_parse_rate"] = {"parsed": parsed, "total": len(headers)}
     print("ast parse rate", parsed, "/", len(headers), flush=True)
+    return report, prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"])
+    ap.add_argument("--files", type=int, default=94, help="held-out stdlib files to use (94 = all)")
+    ap.add_argument("--package-files", type=int, default=96, help="held-out package files, in turn per package")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--speed-prompts", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--target", default=SHIPPED_TARGET, help="target folder (default: the shipped one)")
+    ap.add_argument("--draft", default=SHIPPED_DRAFT, help="EAGLE-3 folder (default: the shipped one)")
+    ap.add_argument("--skip-speed", action="store_true", help="acceptance and ast only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    llms = {name: LLM(args.target, **opts) for name, opts in configs(args.draft).items()}
+    print("held-out stdlib files", flush=True)
+    report: dict = {}
+    report["stdlib"], prompts = evaluate(llms, held_out_texts(args.stdlib, args.files, args.target), args)
+    texts, versions = package_texts(held_out_packages(args.target), args.package_files)
+    if texts:
+        print("held-out packages", versions, flush=True)
+        report["packages"], prompts = evaluate(llms, texts, args)
+        report["packages"]["versions"] = versions
     if not args.skip_speed:
         report["speed_concurrency_1"] = speed(llms, prompts[:args.speed_prompts], args.max_tokens, args.rounds)
+        report["speed_concurrency_1"]["on"] = "packages" if texts else "stdlib"
         print(json.dumps(report["speed_concurrency_1"], indent=1))
     if args.out:
         json.dump(report, open(args.out, "w"), indent=1)

@@ -3,6 +3,10 @@
 # (specserve train-draft). Run from the repo root on a CUDA machine; on the H200 the target took
 # ~2 min and the drafter ~6 min (self-distillation included). The shipped pair was trained on
 # CPython 3.11.7's stdlib copied from the development machine (step 1 ran there, the rest on the H200).
+# The data steps (stdlib, packages) need this Python's stdlib and the package index: run them where both
+# are, e.g. `DATA_ONLY=1 bash scripts/build_default_pair.sh`, and carry OUT/stdlib and OUT/packages (~40 MB,
+# 6 MB as tar.xz) to a GPU machine that has neither; the training steps skip what is there.
+# PACKAGES=0 trains on the stdlib alone (the recipe of the pair shipped before issue 24).
 #   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
 #   model.safetensors) into specserve/assets/default/{target,eagle3}.
 set -euo pipefail
@@ -10,10 +14,16 @@ PY=${PYTHON:-python3}
 OUT=${1:-build/default-pair}
 mkdir -p "$OUT"
 [ -d "$OUT/stdlib" ] || $PY scripts/pair_data.py stdlib --out "$OUT/stdlib"
-$PY scripts/train_target.py --stdlib "$OUT/stdlib" --out "$OUT/target" --device cuda --batch-size 64 \
+PKG=()
+if [ "${PACKAGES:-1}" != 0 ]; then
+  [ -f "$OUT/packages/manifest.json" ] || $PY scripts/pair_data.py packages --out "$OUT/packages"
+  PKG=(--packages "$OUT/packages")
+fi
+[ "${DATA_ONLY:-0}" != 0 ] && exit 0
+$PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/target" --device cuda --batch-size 64 \
   --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
   --eval-windows 256 --eval-ast 50 --seed 0
-$PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" --out "$OUT/distill.txt"
+$PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
 PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
   --out "$OUT/eagle3" --steps 2200 --batch-size 32 --seq-len 256 --ttt-steps 4 --lr 1e-3 \
   --intermediate-size 1024 --device cuda --self-distill 64 --save-every 200 --no-progress --seed 0

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Build specserve's default target model: a small Llama trained from scratch on the
-CPython standard library of the running interpreter.
+CPython standard library of the running interpreter, and with --packages on the code of the packages
+`scripts/pair_data.py packages` fetched (its training packages join the training set; its held-out
+packages are evaluated on, never trained on).
 
 Only torch, transformers, tokenizers and safetensors are used; nothing is downloaded.
 See scripts/README_train.md for usage.
@@ -77,6 +79,8 @@ def parse_args(argv=None):
     a = p.add_argument
     a("--out", required=True, help="output directory (model + tokenizer + reports)")
     a("--stdlib", default=None, help="stdlib folder to train on (default: this Python's)")
+    a("--packages", default=None, help="the folder `scripts/pair_data.py packages` wrote (manifest.json, "
+      "train/, heldout/): more training code, and held-out packages to evaluate on")
     a("--vocab-size", type=int, default=4096)
     a("--hidden-size", type=int, default=192)
     a("--num-hidden-layers", type=int, default=12)
@@ -128,16 +132,59 @@ def find_stdlib_files(root=None):
     return root, sorted(found)
 
 
-def load_corpus(root=None):
-    """Return stdlib root, train docs and held-out docs as lists of (relpath, text)."""
-    root, files = find_stdlib_files(root)
-    train, held = [], []
+def package_files(root, split):
+    """Sorted (NAME/relative posix path, absolute path) of the .py files under root/split/ (the packages step's
+    output; the step already left out tests and vendored copies)."""
+    base = os.path.join(root, split)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames.sort()
+        for fn in filenames:
+            if fn.endswith(".py"):
+                full = os.path.join(dirpath, fn)
+                found.append((os.path.relpath(full, base).replace(os.sep, "/"), full))
+    return sorted(found)
+
+
+def read_docs(files):
+    """(rel, text) of the non-blank files, each text once (the first path that has it)."""
+    docs, seen = [], set()
     for rel, full in files:
         with open(full, encoding="utf-8", errors="replace", newline="") as f:
             text = f.read()
-        if text.strip():
-            (held if is_heldout(rel) else train).append((rel, text))
-    return root, train, held
+        digest = hashlib.sha1(text.encode("utf-8")).hexdigest()
+        if text.strip() and digest not in seen:
+            seen.add(digest)
+            docs.append((rel, text))
+    return docs
+
+
+def load_corpus(root=None, packages=None):
+    """Return stdlib root, train docs, held-out stdlib docs and held-out package docs as lists of (relpath, text);
+    package docs are named `pkg:NAME/path`. A text already seen (in the stdlib or another package) is kept once."""
+    root, files = find_stdlib_files(root)
+    docs = read_docs(files)
+    train = [(rel, text) for rel, text in docs if not is_heldout(rel)]
+    held = [(rel, text) for rel, text in docs if is_heldout(rel)]
+    held_packages = []
+    if packages:
+        seen = {hashlib.sha1(t.encode("utf-8")).hexdigest() for _, t in docs}
+        for split, into in (("train", train), ("heldout", held_packages)):
+            for rel, text in read_docs(package_files(packages, split)):
+                digest = hashlib.sha1(text.encode("utf-8")).hexdigest()
+                if digest not in seen:
+                    seen.add(digest)
+                    into.append((f"pkg:{rel}", text))
+    return root, train, held, held_packages
+
+
+def package_manifest(packages):
+    """The packages step's manifest entries (name, version, licence, split, files, bytes), or []."""
+    if not packages:
+        return []
+    with open(os.path.join(packages, "manifest.json")) as f:
+        return [{k: p[k] for k in ("name", "version", "licence", "split", "files", "bytes")}
+                for p in json.load(f)["packages"]]
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -420,8 +467,9 @@ def main(argv=None):
         torch.backends.cudnn.allow_tf32 = True
     os.makedirs(args.out, exist_ok=True)
 
-    root, train_docs, held_docs = load_corpus(args.stdlib)
-    log(f"stdlib {root}: {len(train_docs)} train files, {len(held_docs)} held-out files")
+    root, train_docs, held_docs, held_pkg_docs = load_corpus(args.stdlib, args.packages)
+    log(f"stdlib {root}: {len(train_docs)} train files, {len(held_docs)} held-out files"
+        + (f", {len(held_pkg_docs)} held-out package files" if args.packages else ""))
     tok = train_tokenizer((t for _, t in train_docs), args.vocab_size)
     save_tokenizer(tok, args.out, args.max_position_embeddings)
     verify_tokenizer(args.out, [t for _, t in held_docs[:20]] + ["s = 'h\u00e9llo \u2713 \u65e5'\r\n\t x\n\n"])
@@ -429,10 +477,14 @@ def main(argv=None):
 
     train_data, n_chat = build_stream(tok, train_docs, args.chat_frac, args.seed, chat_chars=3 * args.seq_len)
     held_data, _ = build_stream(tok, held_docs, 0.0, args.seed, 0)
+    held_pkg_data = build_stream(tok, held_pkg_docs, 0.0, args.seed, 0)[0] if held_pkg_docs else None
     corpus = {"python_version": platform.python_version(), "stdlib_path": root,
               "train_files": len(train_docs), "heldout_files": len(held_docs), "chat_samples": n_chat,
               "train_tokens": len(train_data), "heldout_tokens": len(held_data),
               "heldout_rule": "sha1(relative posix path).hexdigest()[-1] in '01'",
+              "packages": package_manifest(args.packages),
+              "heldout_package_files": len(held_pkg_docs),
+              "heldout_package_tokens": len(held_pkg_data) if held_pkg_data is not None else 0,
               "heldout_file_list": [rel for rel, _ in held_docs]}
     with open(os.path.join(args.out, "corpus.json"), "w") as f:
         json.dump(corpus, f, indent=2)
@@ -445,9 +497,15 @@ def main(argv=None):
     summary = train(model, train_data, held_data, args, device, t_start)
     ppl = evaluate(model, held_data, args, device)
     log(f"final held-out ppl {ppl:.3f} (train loss {summary['final_train_loss']:.4f})")
+    pkg_ppl = evaluate(model, held_pkg_data.to(device), args, device) if held_pkg_data is not None else None
+    if pkg_ppl is not None:
+        log(f"held-out packages ppl {pkg_ppl:.3f}")
     ast_res = ast_eval(model, tok, held_docs, args, device) if args.eval_ast > 0 else None
     if ast_res:
         log(f"ast parse rate {ast_res['parsed']}/{ast_res['n']} = {ast_res['parse_rate']:.2f}")
+    ast_pkg = ast_eval(model, tok, held_pkg_docs, args, device) if args.eval_ast > 0 and held_pkg_docs else None
+    if ast_pkg:
+        log(f"held-out packages ast parse rate {ast_pkg['parsed']}/{ast_pkg['n']} = {ast_pkg['parse_rate']:.2f}")
 
     model = model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
@@ -461,6 +519,7 @@ def main(argv=None):
     report = {"args": vars(args), "seed": args.seed, "param_count": n_params, "corpus": {
         k: v for k, v in corpus.items() if k != "heldout_file_list"}, **summary,
         "heldout_ppl": ppl, "heldout_loss": math.log(ppl), "ast_eval": ast_res,
+        "heldout_packages_ppl": pkg_ppl, "heldout_packages_ast_eval": ast_pkg,
         "wall_seconds": round(time.time() - t_start, 1), "device": str(device), "device_name": device_name,
         "torch_version": torch.__version__, "transformers_version": transformers.__version__,
         "python": sys.version.split()[0]}
