@@ -8,8 +8,8 @@ Policies:
 - always: the configured shape every step;
 - threshold: plain decoding while more than `threshold` requests run, else the configured shape;
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
-  per request come from live acceptance (per-position conditional rates for chains, the mean for a
-  tree, pooled over batch sizes: acceptance does not depend on the batch). Step times (drafting,
+  per request come from live acceptance (speculative/acceptance.py: per-position conditional rates for
+  chains, the mean for a tree, pooled over batch sizes: acceptance does not depend on the batch). Step times (drafting,
   catching up and verifying included) are measured at start-up for every shape at batch sizes 1, 2, 4,
   ... (`seed_costs`, speculative/calibration.py) and then refreshed from live steps, the latest `window`
   of each per (batch-size bucket, shape), read per batch size (`StepTimes`; a median shrugs off noise).
@@ -44,7 +44,8 @@ from __future__ import annotations
 import statistics
 from typing import Callable, Optional
 
-from .estimates import Pinned, Recent, StepTimes
+from .acceptance import Acceptance
+from .estimates import Recent, StepTimes
 from .shapes import PLAIN, Shape, bucket
 
 
@@ -65,7 +66,6 @@ class Controller:
         self.min_samples = min_samples
         self.window = window
         self.exploration_budget = exploration_budget
-        self.prior_samples = prior_samples
         self.speed_window = speed_window
         self.implied_speed: dict[int, Recent] = {}  # per bucket: speeds implied by plain's latest steps
         # per bucket: per draft shape, its latest times taken since plain last ran (`_reanchor`), and
@@ -73,10 +73,8 @@ class Controller:
         self.unanchored: dict[int, dict[Shape, int]] = {}
         self.plain_since: dict[int, int] = {}
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
-        # per draft position: was it accepted, given the ones before it were (the latest verifies)
-        self.acceptance_window = acceptance_window
+        self.acceptance = Acceptance(max(s.steps for s in shapes), acceptance_window, prior_samples)
         self.changes = 0  # observations that can move a decision (times of shapes not running, acceptance)
-        self.forget_acceptance()
         self.current: dict[int, Shape] = {}
         self.decided_on: dict[int, tuple[int, int]] = {}  # per bucket: (batch size, changes) of its last decision
         self.next_probe: dict[int, int] = {}  # per bucket: the step count from which it may probe again
@@ -246,33 +244,11 @@ class Controller:
         return max(0.0, seconds - batch_size * self.expected_tokens(shape) / self.goodput(b, best, batch_size))
 
     def expected_tokens(self, shape: Shape) -> float:
-        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree's few
-        samples are pulled toward the chain of its depth by `prior_samples` pseudo-samples: its top-ranked
-        spine is that chain, so it accepts at least as much (without the prior an unsampled tree counted one
-        token a step and was never chosen once acceptance was forgotten)."""
-        if shape.steps == 0:
-            return 1.0
-        if shape.topk > 1:
-            n, prior = len(self.tree_tokens), self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
-            return (self.tree_tokens.total + prior * self.prior_samples) / (n + self.prior_samples)
-        total, reach = 1.0, 1.0
-        for rate in self.position_rates()[:shape.steps]:
-            reach *= rate
-            total += reach
-        return total
+        """Tokens one request gains from a step of this shape (`Acceptance.expected_tokens`)."""
+        return self.acceptance.expected_tokens(shape)
 
     def position_rates(self) -> list[float]:
-        """Per draft position, the rate it is accepted given the ones before it were. A position's few
-        samples are pulled toward the position before it by `prior_samples` pseudo-samples: deep
-        positions are only sampled while a long draft runs, so a handful of early (or warm-up) verifies
-        would otherwise hold a long draft off for good (acceptance varies little between positions)."""
-        rates, prior = [], 0.5
-        for window in self.position_accept:
-            n = len(window)
-            rate = (window.mean * n + prior * self.prior_samples) / (n + self.prior_samples) if n else prior
-            rates.append(rate)
-            prior = rate
-        return rates
+        return self.acceptance.position_rates()
 
     def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
         return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape, batch_size), 1e-9)
@@ -328,15 +304,12 @@ class Controller:
 
     def forget_acceptance(self) -> None:
         """Learn acceptance afresh (the drafter or the workload changed); step times stay."""
-        depth = max(s.steps for s in self.shapes)
-        self.position_accept = [Recent(self.acceptance_window) for _ in range(depth)]
-        self.tree_tokens = Recent(self.acceptance_window)
+        self.acceptance.forget()
         self.changes += 1
 
     def pin_acceptance(self, rates: list[float]) -> None:
-        """Fix the per-position acceptance (the last rate repeats for deeper positions) and stop learning it:
-        for benchmarks of random weights, which accept nothing, and for tests of the step-time side alone."""
-        self.position_accept = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(len(self.position_accept))]
+        """Fix the per-position acceptance (`Acceptance.pin`)."""
+        self.acceptance.pin(rates)
         self.changes += 1
 
     # ---- observations -------------------------------------------------------------------------
@@ -446,8 +419,4 @@ class Controller:
 
     def record_verify(self, shape: Shape, num_accepted: int) -> None:
         self.changes += 1
-        if shape.topk > 1:
-            self.tree_tokens.add(1.0 + num_accepted)
-            return
-        for i in range(min(num_accepted + 1, shape.steps)):  # positions reached: accepted ones + the first rejected
-            self.position_accept[i].add(1.0 if i < num_accepted else 0.0)
+        self.acceptance.record(shape, num_accepted)
