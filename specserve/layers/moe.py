@@ -2,9 +2,9 @@
 
 Experts are stored stacked, [experts, ...]; each model family maps its checkpoint's per-expert tensors onto
 them (`checkpoint_target`). Under tensor parallelism each expert is sharded like the dense MLP: gate/up by
-output rows (column), down by input columns (row), one all-reduce of the sum. Tokens are routed by a plain
-loop over the experts that received any (no fused kernel yet: one host read of the counts per layer, so
-no CUDA graphs).
+output rows (column), down by input columns (row), one all-reduce of the sum. Tokens are sorted by expert
+and go through one grouped GEMM for gate/up and one for down (`grouped_linear`: torch's grouped GEMM, no
+host sync; a loop over the experts where torch has none for the device and dtype).
 """
 from __future__ import annotations
 
@@ -62,18 +62,35 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         tokens = order // top_k  # [n * top_k]: the token of each grouped assignment
         scale = weights.reshape(-1)[order].unsqueeze(1)  # [n * top_k, 1]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer
-        out = torch.zeros_like(x)  # [n, hidden]
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            idx = tokens[start:start + count]  # [count]
-            gate, up = F.linear(x.index_select(0, idx), self.w13[e]).chunk(2, dim=-1)  # [count, local] each
-            y = F.linear(F.silu(gate) * up, self.w2[e])  # [count, hidden]
-            out.index_add_(0, idx, y * scale[start:start + count])
-            start += count
-        return self.tp.all_reduce(out)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # [experts] assignments per expert, on the device
+        ends = torch.cumsum(counts, 0, dtype=torch.int32)  # [experts] each group's end
+        gate, up = grouped_linear(x.index_select(0, tokens), self.w13, ends).chunk(2, dim=-1)  # [n * top_k, local]
+        y = grouped_linear(F.silu(gate) * up, self.w2, ends)  # [n * top_k, hidden]
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, tokens, y * scale))
+
+
+_GROUPED_FAILS: set = set()  # (device type, dtype) where torch._grouped_mm is not available
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert through each expert's weight: x [m, in] whose rows ends[e-1]:ends[e] belong to
+    expert e, w [experts, out, in] -> [m, out]. One grouped GEMM (`torch._grouped_mm`: no host sync, so a
+    CUDA graph can hold it) where torch has one for this device and dtype; else a loop over the experts
+    (one host read of the group ends)."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_FAILS and hasattr(torch, "_grouped_mm"):
+        try:
+            return torch._grouped_mm(x.contiguous(), w.transpose(1, 2), offs=ends)
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_FAILS.add(key)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = F.linear(x[start:end], w[e])
+        start = end
+    return out
 
 
 class SparseMoeBlock(nn.Module):
