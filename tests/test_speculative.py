@@ -221,6 +221,23 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert off.engine.spec.calibration is None
 
 
+def test_calibration_keeps_every_batch_full_when_requests_reach_max_model_len(pair):
+    """With a short max_model_len the dummy requests outgrow it within a batch size's measurement; they
+    are replaced before each shape's steps, so a step timed at batch size n ran n requests (a plain step
+    emits n tokens), and the pool is whole afterwards."""
+    from specserve.speculative.shapes import PLAIN
+
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_num_steps=3, max_num_seqs=8, max_model_len=128, speculative_calibration_s=120)
+    c = llm.engine.spec.calibration
+    sizes = sorted(n for n, s in c.times if s == PLAIN)
+    assert sizes[:3] == [1, 2, 4] and len(sizes) == 4  # the last: as many as the KV pool holds
+    assert all(c.tokens[(n, PLAIN)] == [n] * 6 for n in sizes), {n: c.tokens[(n, PLAIN)] for n in sizes}
+    assert not llm.engine.requests
+    assert_pool_full(llm)
+
+
 @pytest.mark.skipif(DEVICE["name"] != "cuda", reason="plain-decode CUDA graphs need CUDA")
 @pytest.mark.parametrize("prefix", [False, True], ids=["no_prefix_cache", "prefix_cache"])
 def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_outputs, prefix):

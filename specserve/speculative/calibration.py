@@ -99,15 +99,16 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     chain = max((s for s in shapes if s.topk == 1 and s.steps), key=lambda s: s.steps, default=None)
     steps_per_size = rounds * (warmup + timed) * (len(shapes) + (2 if chain else 0))
     most_nodes = max(s.num_nodes for s in shapes)
-    longest = prompt_len + steps_per_size * most_nodes + spec.num_slots(shapes[-1]) + 1
+    slots = spec.num_slots(shapes[-1])
+    decode_need = (warmup + timed) * most_nodes + slots  # tokens one `_timed_steps` may add to a request
+    prompt_need = (warmup + prompt_timed * 2 * 4) * most_nodes + slots  # and one `_prompt_extra`
     max_len = engine.config.model.max_model_len
-    if longest >= max_len:
-        prompt_len = max(1, prompt_len - (longest - max_len + 1))
-        longest = max_len - 1
-    arriving_len = min(arriving_len, max_len - 1 - spec.num_slots(shapes[-1]) - 4 * most_nodes)
+    longest = min(max_len - 1, prompt_len + steps_per_size * most_nodes + slots + 1)  # a dummy's cap
+    prompt_len = max(1, min(prompt_len, longest - decode_need))
+    arriving_len = min(arriving_len, max_len - 1 - slots - 4 * most_nodes)
     block = engine.config.cache.block_size
     room = int(0.8 * engine.blocks.num_free_blocks) - -(-(arriving_len + 8 * most_nodes) // block)
-    dummies = _Dummies(engine, prompt_len, max_len)
+    dummies = _Dummies(engine, prompt_len, max_len, cap=longest)
     try:
         sizes = batch_sizes(engine.config.scheduler.max_num_seqs, room // -(-longest // block))
         token_size = sizes[min(2, len(sizes) - 1)] if sizes else 0  # batch 4: enough tokens, cheap steps
@@ -115,12 +116,14 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
         def decode_steps(n: int) -> None:
             for _ in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
                 for shape in shapes:
+                    dummies.grow(n, decode_need)
                     times, tokens = _timed_steps(engine, shape, warmup, timed)
                     result.times.setdefault((n, shape), []).extend(times)
                     result.tokens.setdefault((n, shape), []).extend(tokens)
                 if chain is not None and n == token_size:  # host time per emitted token: the chain accepting 0, all
                     runs = result.token_steps.setdefault(n, (([], []), ([], [])))
                     for rate, (times, tokens) in zip((0.0, 1.0), runs):
+                        dummies.grow(n, decode_need)
                         spec.synthetic = SyntheticAcceptance((rate,) * chain.steps)
                         for values, got in zip((times, tokens), _timed_steps(engine, chain, warmup, timed)):
                             values.extend(got)
@@ -131,17 +134,19 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
         dummies.abort()
         arriving = {n: min(arriving_len, engine.config.scheduler.max_num_batched_tokens - n * most_nodes)
                     for n in measured if n < engine.config.scheduler.max_num_seqs}
-        arriving = {n: a for n, a in arriving.items() if a >= 64}
+        arriving = {n: a for n, a in arriving.items() if a >= 64 and longest - prompt_len >= prompt_need}
 
         drafts = [s for s in shapes if s.steps]
 
         def prompt_steps(n: int) -> None:
             result.prompt_tokens[n] = arriving[n]
             for shape in drafts:
+                dummies.grow(n, prompt_need)
                 result.prompt_extra[(n, shape)] = _prompt_extra(engine, shape, warmup, prompt_timed, dummies.rng,
                                                                 arriving[n], most_nodes)
 
         def guess(n: int) -> float:  # one arrival window timed, as many as the size takes (+ its settling)
+            dummies.grow(n, prompt_need)
             once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN, window=3)
             plain = 3 * statistics.median(result.times[(n, PLAIN)])
             result.prompt_token_seconds = max(0.0, once - plain) / arriving[n]
@@ -159,19 +164,28 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
 
 
 class _Dummies:
-    """The calibration's dummy requests: random prompts, greedy, no stop."""
+    """The calibration's dummy requests: random prompts, greedy, no stop, none longer than `cap` tokens (the KV
+    the calibration reserved for each)."""
 
-    def __init__(self, engine, prompt_len: int, max_len: int):
-        self.engine, self.prompt_len, self.seqs = engine, prompt_len, []
+    def __init__(self, engine, prompt_len: int, max_len: int, cap: int):
+        self.engine, self.prompt_len, self.cap, self.seqs = engine, prompt_len, cap, []
         self.rng = random.Random(0)
         self.params = SamplingParams(temperature=0, max_tokens=max_len - prompt_len, ignore_eos=True)
+        self.made = 0
 
-    def grow(self, n: int) -> None:
-        """n requests running, their prompts computed."""
+    def grow(self, n: int, need: int = 0) -> None:
+        """n requests running, their prompts computed, each with room for `need` more tokens under the cap: a
+        request that finished (it reached max_model_len) or has less room is aborted and replaced by a fresh
+        one, so a measurement at batch size n runs n requests throughout."""
         engine = self.engine
+        for seq in self.seqs:
+            if seq.num_tokens + need > self.cap:
+                engine.abort(seq.request_id)
+        self.seqs = [seq for seq in self.seqs if not seq.finished]
         while len(self.seqs) < n:
             prompt = [self.rng.randrange(engine.arch.vocab_size) for _ in range(self.prompt_len)]
-            self.seqs.append(engine.add_request(prompt, self.params, request_id=f"calibration-{len(self.seqs)}"))
+            self.seqs.append(engine.add_request(prompt, self.params, request_id=f"calibration-{self.made}"))
+            self.made += 1
         engine.spec.forced = PLAIN
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in self.seqs):
             engine.step()
