@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import statistics
@@ -54,7 +56,17 @@ def held_out_texts(stdlib: str, limit: int, target: str = SHIPPED_TARGET) -> lis
     return out
 
 
-SKIPPED_PARTS = {"tests", "test", "testing", "_vendor", "vendor", "vendored", "__pycache__"}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def pair_data():
+    """scripts/pair_data.py, the recipe's data steps (its `is_code`: a package's own code, no tests, no
+    vendored copies)."""
+    spec = importlib.util.spec_from_file_location("pair_data", os.path.join(HERE, "..", "scripts", "pair_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def held_out_packages(target: str) -> list[str]:
@@ -62,8 +74,7 @@ def held_out_packages(target: str) -> list[str]:
     corpus = json.load(open(os.path.join(target, "corpus.json")))
     listed = corpus.get("packages")
     if not listed:
-        here = os.path.dirname(os.path.abspath(__file__))
-        listed = json.load(open(os.path.join(here, "..", "scripts", "corpus_packages.json")))["packages"]
+        listed = json.load(open(os.path.join(HERE, "..", "scripts", "corpus_packages.json")))["packages"]
     return [p["name"] for p in listed if p["split"] == "heldout"]
 
 
@@ -77,9 +88,7 @@ def package_texts(names: list[str], limit: int) -> tuple[list[tuple[str, str]], 
         except importlib.metadata.PackageNotFoundError:
             continue
         versions[name] = dist.version
-        files = sorted(str(f) for f in dist.files or [] if str(f).endswith(".py"))
-        files = [f for f in files if not SKIPPED_PARTS & set(f.split("/")[:-1]) and ".dist-info" not in f
-                 and not os.path.basename(f).startswith("test_")]
+        files = sorted(str(f) for f in dist.files or [] if pair_data().is_code(str(f)))
         texts = [(f"{name}/{f}", open(dist.locate_file(f), encoding="utf-8", errors="replace").read())
                  for f in files]
         per_package.append([t for t in texts if t[1].strip()])
