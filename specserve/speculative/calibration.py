@@ -29,6 +29,8 @@ from .synthetic import SyntheticAcceptance
 
 log = logging.getLogger(__name__)
 
+WINDOW = 3  # steps in an arrival's window (`_arrival`); one more settles the batch after it
+
 
 @dataclass
 class Calibration:
@@ -101,13 +103,13 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     most_nodes = max(s.num_nodes for s in shapes)
     slots = spec.num_slots(shapes[-1])
     decode_need = (warmup + timed) * most_nodes + slots  # tokens one `_timed_steps` may add to a request
-    prompt_need = (warmup + prompt_timed * 2 * 4) * most_nodes + slots  # and one `_prompt_extra`
+    prompt_need = (warmup + prompt_timed * 2 * (WINDOW + 1)) * most_nodes + slots  # and one `_prompt_extra`
     max_len = engine.config.model.max_model_len
     longest = min(max_len - 1, prompt_len + steps_per_size * most_nodes + slots + 1)  # a dummy's cap
     prompt_len = max(1, min(prompt_len, longest - decode_need))
-    arriving_len = min(arriving_len, max_len - 1 - slots - 4 * most_nodes)
+    arriving_len = min(arriving_len, max_len - 1 - slots - (WINDOW + 1) * most_nodes)
     block = engine.config.cache.block_size
-    room = int(0.8 * engine.blocks.num_free_blocks) - -(-(arriving_len + 8 * most_nodes) // block)
+    room = int(0.8 * engine.blocks.num_free_blocks) - -(-(arriving_len + 8 * most_nodes) // block)  # the arrival
     dummies = _Dummies(engine, prompt_len, max_len, cap=longest)
     try:
         sizes = batch_sizes(engine.config.scheduler.max_num_seqs, room // -(-longest // block))
@@ -145,14 +147,16 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
                 result.prompt_extra[(n, shape)] = _prompt_extra(engine, shape, warmup, prompt_timed, dummies.rng,
                                                                 arriving[n], most_nodes)
 
-        def guess(n: int) -> float:  # one arrival window timed, as many as the size takes (+ its settling)
+        def first_arrival(n: int) -> float:
+            """One plain arrival window at the first size: what a prompt token costs (the window over as many
+            plain steps), and the guess of this size's prompt pass (as many windows, settling included)."""
             dummies.grow(n, prompt_need)
-            once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN, window=3)
-            plain = 3 * statistics.median(result.times[(n, PLAIN)])
+            once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN)
+            plain = WINDOW * statistics.median(result.times[(n, PLAIN)])
             result.prompt_token_seconds = max(0.0, once - plain) / arriving[n]
-            return 2.5 * len(drafts) * prompt_timed * once
+            return 2.5 * len(drafts) * prompt_timed * once  # two windows a time, and the settling steps
 
-        _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps, first_guess=guess)
+        _within_budget(dummies, sorted(arriving), start, budget_s, prompt_steps, first_guess=first_arrival)
     finally:
         spec.forced, spec.synthetic = None, synthetic
         dummies.abort()
@@ -232,9 +236,9 @@ def _timed_steps(engine, shape: Shape, warmup: int, timed: int) -> tuple[list[fl
 
 
 def _prompt_extra(engine, shape: Shape, warmup: int, timed: int, rng: random.Random, prompt_len: int,
-                  most_nodes: int, window: int = 3) -> list[float]:
+                  most_nodes: int) -> list[float]:
     """Seconds a draft shape's step with a prompt costs over a plain one, when the steps after it are the
-    shape's either way, `timed` times: a window of `window` steps whose first one also prefills a new
+    shape's either way, `timed` times: a window of WINDOW steps whose first one also prefills a new
     request's `prompt_len` random tokens, in the shape, less the same window with that first step plain.
     A window spans the first step's device time whichever way it is read (an overlapped step is waited
     for in the step after it; a looped step launches in one and is read in the next) and the arrival's
@@ -245,24 +249,23 @@ def _prompt_extra(engine, shape: Shape, warmup: int, timed: int, rng: random.Ran
     extras = []
     for i in range(timed):
         order = (shape, PLAIN) if i % 2 == 0 else (PLAIN, shape)  # neither always second: drift cancels
-        seconds = {first: _arrival(engine, rng, prompt_len, most_nodes, first, shape, window) for first in order}
+        seconds = {first: _arrival(engine, rng, prompt_len, most_nodes, first, shape) for first in order}
         extras.append(seconds[shape] - seconds[PLAIN])
     return extras
 
 
-def _arrival(engine, rng: random.Random, prompt_len: int, most_nodes: int, first: Shape, then: Shape,
-             window: int = 3) -> float:
-    """The seconds of `window` steps whose first one (of shape `first`, the others `then`) prefills a new
+def _arrival(engine, rng: random.Random, prompt_len: int, most_nodes: int, first: Shape, then: Shape) -> float:
+    """The seconds of WINDOW steps whose first one (of shape `first`, the others `then`) prefills a new
     request's `prompt_len` random tokens; the request is aborted after them, and one untimed step of
     `then` settles the batch again."""
-    params = SamplingParams(temperature=0, max_tokens=4 * most_nodes, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=(WINDOW + 1) * most_nodes, ignore_eos=True)
     seq = engine.add_request([rng.randrange(engine.arch.vocab_size) for _ in range(prompt_len)], params,
                              request_id="calibration-arriving")
     engine.spec.forced = first
     start = time.perf_counter()
     engine.step()
     engine.spec.forced = then
-    for _ in range(window - 1):
+    for _ in range(WINDOW - 1):
         engine.step()
     seconds = time.perf_counter() - start
     engine.abort(seq.request_id)
