@@ -8,10 +8,13 @@ One run measures, on the device it runs on:
   copy bandwidth, FLOPs per step / matmul rate);
 - the cost of a verify step with 2, 4, 8 tokens per request relative to a 1-token step, per batch size
   (graph replays of the target forward);
-- transformers `generate` with `cache_implementation="static"` on the same shape and weights' dtype.
+- transformers `generate` with `cache_implementation="static"` on the same shape and weights' dtype;
+- for a mixture-of-experts shape, the roofline counts the experts a step's tokens route to, and the same
+  engine with a per-expert loop (transformers' eager MoE) runs beside it.
 
     python benchmarks/gpu_decode.py --out gpu_decode.json            # Llama-3.1-8B shape
     python benchmarks/gpu_decode.py --part hf --out hf.json          # only the transformers half
+    python benchmarks/gpu_decode.py --config benchmarks/configs/qwen3-30b-a3b --part specserve loop --out moe.json
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -55,33 +59,66 @@ def time_events(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def roofline(arch: ArchConfig, batch: int, context: float, q: int, ceil: dict) -> float:
+@dataclass
+class WeightLayout:
+    """Parameters one step reads: `dense` whatever the tokens (the lm_head counted, the embedding's few rows
+    not), and per mixture-of-experts layer `per_expert` parameters for each expert its tokens route to."""
+    dense: int
+    moe: list  # per MoE layer: (experts, top_k, per_expert)
+
+    @classmethod
+    def of(cls, arch: ArchConfig) -> "WeightLayout":
+        from specserve.layers.moe import Experts, SparseMoeBlock
+        from specserve.models.loader import build
+        from specserve.models.registry import model_class
+
+        model = build(model_class(arch.architecture), arch, torch.bfloat16, torch.device("meta"))
+        total = sum(p.numel() for p in model.parameters())
+        experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+        embed = 0 if arch.tie_word_embeddings else model.embedding().weight.numel()
+        moe = [(m.num_experts, m.top_k, sum(p.numel() for p in m.experts.parameters()) // m.num_experts)
+               for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        return cls(total - experts - embed, moe)
+
+    def read(self, tokens: int) -> float:
+        """Parameters read by a step of `tokens` tokens: each MoE layer reads the experts routed to, expected
+        E * (1 - (1 - k/E)^tokens) of them under uniform routing (k at one token)."""
+        return self.dense + sum(per * e * (1 - (1 - k / e) ** tokens) for e, k, per in self.moe)
+
+    def active(self) -> int:
+        """Parameters one token multiplies through."""
+        return self.dense + sum(k * per for _, k, per in self.moe)
+
+
+def roofline(arch: ArchConfig, layout: WeightLayout, batch: int, context: float, q: int, ceil: dict) -> float:
     """Fastest possible seconds for one step of `batch` requests, q new tokens each, over `context` keys."""
-    h, layers, inter, vocab = arch.hidden_size, arch.num_layers, arch.intermediate_size, arch.vocab_size
     kv_dim = arch.num_kv_heads * arch.head_dim
-    params = layers * (h * (arch.num_heads * arch.head_dim + 2 * kv_dim) + arch.num_heads * arch.head_dim * h
-                       + 3 * h * inter) + vocab * h  # embedding rows read are negligible: count the lm_head
-    kv_bytes = batch * (context + q) * layers * 2 * kv_dim * 2
+    kv_bytes = batch * (context + q) * arch.num_layers * 2 * kv_dim * 2
     tokens = batch * q
-    flops = 2 * params * tokens + 4 * tokens * context * layers * arch.num_heads * arch.head_dim
-    return max((2 * params + kv_bytes) / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"])
+    flops = 2 * layout.active() * tokens + 4 * tokens * context * arch.num_layers * arch.num_heads * arch.head_dim
+    return max((2 * layout.read(tokens) + kv_bytes) / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"])
 
 
-def specserve_part(args, arch, ceil) -> dict:
+def start_engine(args, **options):
     from specserve import LLM
+
+    return LLM(args.config, load_format="dummy", dtype="bfloat16", speculative_algorithm="none",
+               max_model_len=args.prompt_len + args.gen_len + 32, max_num_seqs=max(args.batches),
+               max_num_batched_tokens=max(8192, args.prompt_len * 4), kv_host_ratio=0.0, **options)
+
+
+def specserve_part(args, arch, layout, ceil) -> dict:
     from specserve.engine.cuda_graph import GraphRunner
 
     max_bs = max(args.batches)
     t0 = time.perf_counter()
-    llm = LLM(args.config, load_format="dummy", dtype="bfloat16", speculative_algorithm="none",
-              max_model_len=args.prompt_len + args.gen_len + 32, max_num_seqs=max_bs,
-              max_num_batched_tokens=max(8192, args.prompt_len * 4), kv_host_ratio=0.0)
+    llm = start_engine(args)
     engine = llm.engine
     out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
            "num_graphs": len(engine.runner.graphs.graphs), "decode": {}, "verify_cost": {}}
     gen = torch.Generator().manual_seed(0)
     for batch in args.batches:
-        best = batch / roofline(arch, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+        best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
         row = {"roofline_tokens_per_s": best}
         for overlap in (True, False):
             engine.overlap = overlap
@@ -160,7 +197,41 @@ def profile(graphs, batch: int) -> list[dict]:
     return table
 
 
-def hf_part(args, arch, ceil) -> dict:
+def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Experts.forward as transformers' eager MoE computes it: one expert at a time, each routed to read on the
+    host. x [n, hidden], weights and experts [n, top_k] -> [n, hidden]."""
+    import torch.nn.functional as F
+
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == e)  # [m] each
+        gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
+        out.index_add_(0, rows, F.linear(F.silu(gate) * up, self.w2[e]) * weights[rows, slot, None])
+    return self.tp.all_reduce(out)
+
+
+def loop_part(args, arch, layout, ceil) -> dict:
+    """Decode through the same engine with each MoE layer's experts run one at a time (eager: the loop reads
+    the routing on the host)."""
+    from specserve.layers.moe import Experts
+
+    forward, Experts.forward = Experts.forward, loop_experts
+    try:
+        llm = start_engine(args, enforce_eager=True)
+        out, gen = {"decode": {}}, torch.Generator().manual_seed(0)
+        for batch in args.batches:
+            best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+            tps = decode_rate(llm.engine, batch, args, arch, gen)
+            out["decode"][batch] = {"tokens_per_s": tps, "fraction": tps / best}
+            print(f"per-expert loop batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline", flush=True)
+        llm.engine.close()
+        return out
+    finally:
+        Experts.forward = forward
+        torch.cuda.empty_cache()
+
+
+def hf_part(args, arch, layout, ceil) -> dict:
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(args.config)
@@ -181,7 +252,7 @@ def hf_part(args, arch, ceil) -> dict:
         generate(args.gen_len)  # compile / warm up
         full, one = generate(args.gen_len), generate(1)
         tps = batch * (args.gen_len - 1) / (full - one)
-        best = batch / roofline(arch, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+        best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
         out["decode"][batch] = {"tokens_per_s": tps, "fraction": tps / best}
         print(f"transformers batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline", flush=True)
     return out
@@ -193,25 +264,32 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=64)
-    ap.add_argument("--part", choices=("all", "specserve", "hf"), default="all")
+    ap.add_argument("--part", nargs="+", choices=("all", "specserve", "hf", "loop"), default=["all"],
+                    help="all: specserve and transformers, and the per-expert loop for a MoE shape")
     ap.add_argument("--out", default="gpu_decode.json")
     args = ap.parse_args()
     arch = ArchConfig.from_dict(read_config(args.config))
+    layout = WeightLayout.of(arch)
+    parts = set(args.part) - {"all"} | ({"specserve", "hf"} | ({"loop"} if layout.moe else set())
+                                        if "all" in args.part else set())
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
               "prompt_len": args.prompt_len, "gen_len": args.gen_len, "ceilings": ceilings("cuda")}
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 {result['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
-    for part, fn in (("specserve", specserve_part), ("hf", hf_part)):
-        if args.part in ("all", part):
-            result[part] = fn(args, arch, result["ceilings"])
+    print(f"weights read per step: {layout.read(1) * 2 / 1e9:.2f} GB at 1 token, {layout.read(256) * 2 / 1e9:.2f} GB at"
+          f" 256; active parameters {layout.active() / 1e9:.2f} B", flush=True)
+    for part, fn in (("specserve", specserve_part), ("loop", loop_part), ("hf", hf_part)):
+        if part in parts:
+            result[part] = fn(args, arch, layout, result["ceilings"])
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    if "specserve" in result and "hf" in result:
-        for b in args.batches:
-            s, h = result["specserve"]["decode"][b], result["hf"]["decode"][b]
-            print(f"batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})  "
-                  f"transformers {h['tokens_per_s']:>9,.0f} ({h['fraction']:.0%})  "
-                  f"ratio {s['tokens_per_s'] / h['tokens_per_s']:.2f}x")
+    for other, name in (("hf", "transformers"), ("loop", "per-expert loop")):
+        if "specserve" in result and other in result:
+            for b in args.batches:
+                s, h = result["specserve"]["decode"][b], result[other]["decode"][b]
+                print(f"batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})  "
+                      f"{name} {h['tokens_per_s']:>9,.0f} ({h['fraction']:.0%})  "
+                      f"ratio {s['tokens_per_s'] / h['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,8 @@ def test_greedy_matches_transformers(moe_models, expected, config, case):
     for i, out in enumerate(outs):
         assert out.token_ids == want[config][i], f"{config}/{case}: prompt {i} differs"
         assert out.finish_reason == "length"
+    if DEVICE["name"] == "cuda":  # the experts' Triton kernels read nothing on the host: graphs hold them
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
     if case == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
     assert_pool_full(llm)
@@ -173,15 +175,6 @@ def test_two_ranks_equal_one(moe_models, config):
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     finally:
         llm.engine.close()
-
-
-def test_moe_models_say_they_run_without_cuda_graphs():
-    from specserve.models.llama import LlamaForCausalLM
-    from specserve.models.mixtral import MixtralForCausalLM
-    from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
-
-    assert LlamaForCausalLM.supports_cuda_graphs
-    assert not Qwen3MoeForCausalLM.supports_cuda_graphs and not MixtralForCausalLM.supports_cuda_graphs
 
 
 def test_eagle3_on_a_moe_target_is_lossless(tmp_path):

@@ -3,8 +3,9 @@
 Experts are stored stacked, [experts, ...]; each model family maps its checkpoint's per-expert tensors onto
 them (`checkpoint_target`). Under tensor parallelism each expert is sharded like the dense MLP: gate/up by
 output rows (column), down by input columns (row), one all-reduce of the sum. Tokens are sorted by expert
-and go through one grouped GEMM for gate/up and one for down (`grouped_linear`: torch's grouped GEMM, no
-host sync; a loop over the experts where torch has none for the device and dtype).
+and go through one grouped GEMM for gate/up and one for down: on CUDA the Triton kernels of triton_moe.py
+(SwiGLU and routing weights fused, nothing read on the host, so a CUDA graph holds them); elsewhere
+`grouped_linear` (torch's grouped GEMM; a loop over the experts where torch has none for the device and dtype).
 """
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import triton_moe
 from .linear import ReplicatedLinear, ShapeMismatch, copy_checked
 from .parallel import current
+from .triton_ops import use_triton
+
+# Can a CUDA graph hold the experts? On CUDA they run in the Triton kernels, which read nothing on the host.
+GRAPH_SAFE = triton_moe.available()
 
 
 class Experts(nn.Module):
@@ -57,6 +63,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [n, hidden], weights and experts [n, top_k] -> sum over each token's experts of weight * MLP(x),
         [n, hidden], all-reduced over tensor-parallel ranks."""
+        if use_triton(x) and triton_moe.available():
+            return self.tp.all_reduce(triton_moe.fused_experts(x, self.w13, self.w2, weights, experts))
         top_k = experts.shape[1]
         flat = experts.reshape(-1)  # [n * top_k]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert

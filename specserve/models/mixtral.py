@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..layers.moe import SparseMoeBlock
+from ..layers.moe import GRAPH_SAFE, SparseMoeBlock
 from .config import ArchConfig
 from .llama import LlamaForCausalLM
 
@@ -22,7 +22,7 @@ ROUTER_TENSOR = re.compile(r"^(.*)\.block_sparse_moe\.gate\.weight$")
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mistral attention and norms from llama.py; a routed feed-forward (`mlp`) in every layer."""
 
-    supports_cuda_graphs = False  # the torch expert loop reads each expert's token count on the host
+    supports_cuda_graphs = GRAPH_SAFE
 
     def make_mlp(self, c: ArchConfig, layer: int) -> nn.Module:
         raw = c.raw

@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch import nn
 
-from ..layers.moe import SparseMoeBlock
+from ..layers.moe import GRAPH_SAFE, SparseMoeBlock
 from .config import ArchConfig
 from .llama import MLP, LlamaForCausalLM
 
@@ -33,7 +33,7 @@ def is_sparse(c: ArchConfig, layer: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3 attention (q/k RMSNorm) and norms from llama.py; feed-forward per `is_sparse`."""
 
-    supports_cuda_graphs = False  # the torch expert loop reads each expert's token count on the host
+    supports_cuda_graphs = GRAPH_SAFE
 
     def make_mlp(self, c: ArchConfig, layer: int) -> nn.Module:
         if not is_sparse(c, layer):

@@ -1,0 +1,155 @@
+"""Fused mixture-of-experts experts on CUDA: the routed SwiGLU MLPs of `moe.Experts` in two Triton GEMMs.
+
+For each token t and each of its top_k (expert e, weight w) pairs it computes
+w * w2[e] @ (silu(gate) * up), with gate and up the two halves of w13[e] @ x[t], and sums over the pairs.
+
+The n * top_k assignments are first laid out by expert in blocks of BLOCK_M rows, each block belonging to one
+expert and each expert's rows padded to a whole number of blocks (`align_blocks`, two small kernels). Then one
+launch per GEMM: a program takes one block and one BLOCK_N-wide tile of output columns, gathers its rows (x by
+token for gate/up, the activations by assignment for down) and multiplies them by its expert's weights. The
+gate/up GEMM applies SwiGLU in its epilogue, the down GEMM scales each row by its routing weight, and the top_k
+rows of each token are summed in torch (deterministic: no atomics in the sums). Every shape depends only on
+(n, top_k, experts, hidden, intermediate), never on the routing, and nothing is read back to the host, so a
+CUDA graph can hold the whole computation and replay it with new routing.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _align_count(experts, counts, ranks, sorted_ids, block_expert, n_assign, num_experts, max_padded, max_blocks,
+                     CHUNK: tl.constexpr):
+        # padding everywhere (sorted_ids = n_assign, block_expert = num_experts); each assignment's rank in its expert
+        i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        tl.store(sorted_ids + i, tl.zeros_like(i) + n_assign, mask=i < max_padded)
+        tl.store(block_expert + i, tl.zeros_like(i) + num_experts, mask=i < max_blocks)
+        valid = i < n_assign
+        e = tl.load(experts + i, mask=valid, other=0).to(tl.int32)
+        tl.store(ranks + i, tl.atomic_add(counts + e, 1, mask=valid), mask=valid)
+
+    @triton.jit
+    def _align_place(experts, counts, ranks, sorted_ids, block_expert, n_assign, num_experts,
+                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+        # each assignment to row (its expert's first row + rank); a block's first row names the block's expert
+        ex = tl.arange(0, E_PAD)
+        padded = (tl.load(counts + ex, mask=ex < num_experts, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        starts = tl.cumsum(padded, 0) - padded  # [E_PAD]
+        i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        valid = i < n_assign
+        e = tl.load(experts + i, mask=valid, other=0).to(tl.int32)
+        rank = tl.load(ranks + i, mask=valid, other=0)
+        row = tl.gather(starts, e, 0) + rank
+        tl.store(sorted_ids + row, i, mask=valid)
+        tl.store(block_expert + row // BLOCK_M, e, mask=valid & (rank % BLOCK_M == 0))
+
+    @triton.jit
+    def _expert_gemm(A, W, Out, Scale, sorted_ids, block_expert, n_assign, num_experts, N, K,
+                     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om,
+                     ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        # Out[i, cols] for the assignments i of one block of expert e, from row i // ROWS_PER_A of A:
+        # GATED: silu(A @ W[e, :N]^T) * (A @ W[e, N:2N]^T); else Scale[i] * (A @ W[e]^T)
+        e = tl.load(block_expert + tl.program_id(0))
+        if e == num_experts:
+            return
+        ids = tl.load(sorted_ids + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+        valid = ids < n_assign
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = A + (ids // ROWS_PER_A).to(tl.int64)[:, None] * stride_am + ks[None, :] * stride_ak
+        w_ptrs = W + e.to(tl.int64) * stride_we + cols[None, :] * stride_wn + ks[:, None] * stride_wk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kmask = ks < K - k
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+            wmask = kmask[:, None] & cmask[None, :]
+            acc = tl.dot(a, tl.load(w_ptrs, mask=wmask, other=0.0), acc, input_precision=PRECISION)
+            if GATED:
+                up = tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
+        dtype = Out.dtype.element_ty
+        if GATED:
+            gate = acc.to(dtype).to(tl.float32)
+            out = (gate / (1.0 + tl.exp(-gate))).to(dtype) * acc_up.to(dtype)
+        else:
+            out = acc.to(dtype) * tl.load(Scale + ids, mask=valid, other=0.0)[:, None]
+        tl.store(Out + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], out.to(dtype),
+                 mask=valid[:, None] & cmask[None, :])
+
+
+def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K). Small batches are bound by the weight reads: blocks of 16 rows (the least
+    for tl.dot) and long K steps. Once experts average 16 rows or more, 64-row blocks read each expert's weights
+    fewer times."""
+    if n_assign < 16 * num_experts:
+        return 16, 64, 128
+    return 64, 64, 64
+
+
+def align_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [n, top_k] -> (sorted_ids [max_padded] int32, block_expert [max_padded // block_m] int32).
+
+    sorted_ids lists the assignments (t * top_k + k) grouped by expert (in no set order within an expert), each
+    expert's group padded with the sentinel n * top_k to a multiple of block_m; block_expert is each block's
+    expert, num_experts for the unused blocks at the end. max_padded covers the worst case, so the shapes do not
+    depend on the routing. Two launches: count (atomics give each assignment its rank), then place."""
+    flat = experts.contiguous().view(-1)  # [n * top_k]
+    n_assign = flat.numel()
+    max_padded = triton.cdiv(n_assign + min(n_assign, num_experts) * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)  # [E]
+    ranks = torch.empty(n_assign, dtype=torch.int32, device=flat.device)  # [n * top_k]
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
+    chunk = 256
+    _align_count[(triton.cdiv(max_padded, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
+                                                    num_experts, max_padded, max_padded // block_m, CHUNK=chunk)
+    _align_place[(triton.cdiv(n_assign, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
+                                                  num_experts, BLOCK_M=block_m,
+                                                  E_PAD=triton.next_power_of_2(num_experts), CHUNK=chunk)
+    return sorted_ids, block_expert
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  experts: torch.Tensor) -> torch.Tensor:
+    """x [n, hidden], w13 [E, 2 * I, hidden] (gate rows, then up rows), w2 [E, hidden, I], weights and experts
+    [n, top_k] -> [n, hidden] in x's dtype: the sum over each token's experts of weight * SwiGLU MLP(x), as in
+    `moe.Experts.forward` (without the tensor-parallel all-reduce). No host sync: CUDA-graph safe."""
+    n, hidden = x.shape
+    top_k = experts.shape[1]
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    n_assign = n * top_k
+    if n_assign == 0:
+        return torch.zeros_like(x)
+    block_m, block_n, block_k = _config(n_assign, num_experts)
+    sorted_ids, block_expert = align_blocks(experts, num_experts, block_m)
+    scale = weights.contiguous().view(-1)  # [n * top_k]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty(n_assign, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
+    _expert_gemm[(block_expert.shape[0], triton.cdiv(inter, block_n))](
+        x, w13, act, scale, sorted_ids, block_expert, n_assign, num_experts, inter, hidden,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+        ROWS_PER_A=top_k, GATED=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=4)
+    y = torch.empty(n_assign, hidden, dtype=x.dtype, device=x.device)  # [n * top_k, hidden]
+    _expert_gemm[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
+        act, w2, y, scale, sorted_ids, block_expert, n_assign, num_experts, hidden, inter,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
+        ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
+        num_warps=4)
+    return y.view(n, top_k, hidden).sum(1)
