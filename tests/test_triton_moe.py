@@ -1,5 +1,5 @@
 """The fused Triton MoE experts against a per-token torch reference: random and skewed routing, fp32 and bf16,
-CUDA-graph replay with new routing.
+CUDA-graph replay with new routing. The fused router (`route`) against torch's softmax and topk.
 
 Runs on CUDA (`--device cuda`); on CPU only under Triton's interpreter (TRITON_INTERPRET=1), with small shapes.
 """
@@ -155,3 +155,109 @@ def test_cuda_graph_replays_new_routing():
 @pytest.mark.parametrize("n", [1, 8, 256])
 def test_large_bf16(n):
     check(n, 128, 8, 2048, 768, torch.bfloat16)
+
+
+def route_reference(logits, top_k, renormalize, out_dtype):
+    """torch's router: softmax in fp32, topk, optional renormalisation."""
+    weights, experts = torch.topk(torch.softmax(logits.float(), -1), top_k)  # [n, top_k] each
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(out_dtype), experts
+
+
+def distinct_logits(n, num_experts, dtype, device):
+    """[n, num_experts] logits with no ties within a row in `dtype`: random normal in fp32; in half precision
+    num_experts distinct values of that dtype in [-4, 4], drawn at random for each row."""
+    if dtype == torch.float32:
+        logits = torch.randn(n, num_experts)
+    else:
+        pool = torch.linspace(-4, 4, 100_000).to(dtype).unique()  # [values]
+        logits = pool[torch.rand(n, pool.numel()).argsort(-1)[:, :num_experts]]
+    assert all(row.unique().numel() == num_experts for row in logits)
+    return logits.to(device)
+
+
+def check_route(logits, top_k, renormalize, out_dtype):
+    weights, experts = triton_moe.route(logits, top_k, renormalize, out_dtype)
+    ref_weights, ref_experts = route_reference(logits, top_k, renormalize, out_dtype)
+    assert experts.dtype == torch.int32 and weights.dtype == out_dtype
+    assert torch.equal(experts.long(), ref_experts)
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(weights, ref_weights, rtol=5e-6, atol=1e-7)
+    else:
+        torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=1e-2, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("num_experts", [8, 60, 128])
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_route_fp32(n, num_experts, top_k, renormalize):
+    torch.manual_seed(n * 1000 + num_experts * 10 + top_k)
+    check_route(distinct_logits(n, num_experts, torch.float32, DEVICE["name"]), top_k, renormalize, torch.float32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (128, 8), (512, 8)])
+def test_route_half(num_experts, top_k, renormalize, dtype):
+    """Half-precision logits, weights in the same dtype (as the MoE block asks)."""
+    if dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("Triton's interpreter does bf16 arithmetic on the raw uint16 bits")
+    torch.manual_seed(num_experts + top_k)
+    check_route(distinct_logits(33, num_experts, dtype, DEVICE["name"]), top_k, renormalize, dtype)
+
+
+@needs_kernels
+def test_route_strided_logits_and_ties():
+    """A column-strided view reaches the kernel; tied probabilities go to the lower expert index first (a stable
+    descending sort), and a row of equal logits routes to experts 0..top_k-1 with equal weights."""
+    torch.manual_seed(0)
+    logits = torch.randint(0, 4, (9, 2 * 16)).float().to(DEVICE["name"])[:, ::2]  # [9, 16], many ties
+    logits[0] = 0.0
+    weights, experts = triton_moe.route(logits, 4, False, torch.float32)
+    order = torch.sort(logits, stable=True, descending=True).indices[:, :4]  # softmax keeps the order
+    assert torch.equal(experts.long(), order)
+    torch.testing.assert_close(weights, torch.softmax(logits, -1).gather(1, order), rtol=5e-6, atol=1e-7)
+    assert experts[0].tolist() == [0, 1, 2, 3]
+
+
+@needs_cuda
+def test_route_cuda_graph_replays_new_logits():
+    n, num_experts, top_k = 16, 128, 8
+    torch.manual_seed(0)
+    logits = distinct_logits(n, num_experts, torch.float32, "cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture
+        triton_moe.route(logits, top_k, True, torch.bfloat16)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, experts = triton_moe.route(logits, top_k, True, torch.bfloat16)
+    for _ in range(3):
+        logits.copy_(distinct_logits(n, num_experts, torch.float32, "cuda"))
+        graph.replay()
+        ref_weights, ref_experts = route_reference(logits, top_k, True, torch.bfloat16)
+        assert torch.equal(experts.long(), ref_experts)
+        torch.testing.assert_close(weights.float(), ref_weights.float(), rtol=1e-2, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_block_triton_router_matches_torch(norm_topk_prob):
+    """SparseMoeBlock on CUDA: the Triton path (no grad) against the torch path (grad enabled), fp32."""
+    from specserve.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(64, 16, 4, 24, norm_topk_prob).cuda()
+    for param in block.parameters():
+        param.data.normal_(0, 0.125)
+    x = torch.randn(7, 64, device="cuda")
+    with torch.no_grad():
+        fused = block(x)
+    with torch.enable_grad():
+        eager = block(x)
+    torch.testing.assert_close(fused, eager.detach(), rtol=1e-4, atol=1e-5)

@@ -102,7 +102,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (softmax over experts, top-k, optionally renormalised to sum 1) and the routed experts."""
+    """Router (softmax over experts, top-k, optionally renormalised to sum 1; on CUDA one Triton kernel,
+    `triton_moe.route`) and the routed experts."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk_prob: bool):
         super().__init__()
@@ -111,6 +112,9 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        if use_triton(x) and triton_moe.available():  # the router in one kernel: [n, top_k] each, experts int32
+            weights, experts = triton_moe.route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype)
+            return self.experts(x, weights, experts)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, experts]
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [n, top_k] each
         if self.norm_topk_prob:

@@ -11,6 +11,8 @@ gate/up GEMM applies SwiGLU in its epilogue, the down GEMM scales each row by it
 rows of each token are summed in torch (deterministic: no atomics in the sums). Every shape depends only on
 (n, top_k, experts, hidden, intermediate), never on the routing, and nothing is read back to the host, so a
 CUDA graph can hold the whole computation and replay it with new routing.
+
+`route` is the router before them in one launch (softmax, top-k, renormalisation, cast) where torch takes ~6.
 """
 from __future__ import annotations
 
@@ -92,6 +94,29 @@ if triton is not None:
         tl.store(Out + ids.to(tl.int64)[:, None] * stride_om + cols[None, :], out.to(dtype),
                  mask=valid[:, None] & cmask[None, :])
 
+    @triton.jit
+    def _route(Logits, Weights, Experts, stride_ln, stride_le, num_experts, TOP_K: tl.constexpr,
+               K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr):
+        # one token: softmax over the experts in fp32, then TOP_K rounds of argmax (lowest index on ties) and mask
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        valid = cols < num_experts
+        x = tl.load(Logits + row * stride_ln + cols * stride_le, mask=valid, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = tl.where(valid, p / tl.sum(p, 0), -1.0)  # [BLOCK]; padding below every probability
+        ks = tl.arange(0, K_PAD)
+        w = tl.zeros((K_PAD,), tl.float32)
+        ids = tl.zeros((K_PAD,), tl.int32)
+        for k in tl.static_range(TOP_K):
+            best, i = tl.max(p, 0, return_indices=True, return_indices_tie_break_left=True)
+            w = tl.where(ks == k, best, w)
+            ids = tl.where(ks == k, tl.minimum(i, num_experts - 1), ids)  # clamped: NaN logits stay in range
+            p = tl.where(cols == i, -2.0, p)
+        if RENORM:
+            w = w / tl.sum(w, 0)
+        tl.store(Weights + row * TOP_K + ks, w.to(Weights.dtype.element_ty), mask=ks < TOP_K)
+        tl.store(Experts + row * TOP_K + ks, ids, mask=ks < TOP_K)
+
 
 def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K). Small batches are bound by the weight reads: blocks of 16 rows (the least
@@ -153,3 +178,22 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         num_warps=4)
     return y.view(n, top_k, hidden).sum(1)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool,
+          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router in one launch: logits [n, E] (any float dtype; E up to about 512, one block) -> (weights
+    [n, top_k] in out_dtype, experts [n, top_k] int32). Softmax over E in fp32, the top_k largest probabilities
+    in descending order (ties to the lower expert index), optionally renormalised to sum 1: what
+    torch.softmax(logits.float(), -1), torch.topk and a division give. One program per token, no host sync:
+    CUDA-graph safe."""
+    n, num_experts = logits.shape
+    assert 0 < top_k <= num_experts
+    weights = torch.empty(n, top_k, dtype=out_dtype, device=logits.device)  # [n, top_k]
+    experts = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)  # [n, top_k]
+    if n:
+        block = triton.next_power_of_2(num_experts)
+        _route[(n,)](logits, weights, experts, logits.stride(0), logits.stride(1), num_experts, TOP_K=top_k,
+                     K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK=block,
+                     num_warps=1 if block <= 128 else 4)
+    return weights, experts
