@@ -20,8 +20,8 @@ if [ "${PACKAGES:-1}" != 0 ]; then
   PKG=(--packages "$OUT/packages")
 fi
 [ "${DATA_ONLY:-0}" != 0 ] && exit 0
-$PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/target" --device cuda --batch-size 64 \
-  --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
+$PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/target" --device cuda \
+  --hidden-size 256 --intermediate-size 704 --num-hidden-layers 10 --num-attention-heads 8 --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
   --eval-windows 256 --eval-ast 50 --seed 0
 $PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
 PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
