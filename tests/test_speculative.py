@@ -221,6 +221,19 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert off.engine.spec.calibration is None
 
 
+def test_a_calibration_budget_too_short_for_one_size_times_one_round(pair):
+    """Steps slow enough (a slow link, a busy host) that the first batch size alone outlasts the budget:
+    that size gets one round of every shape instead of two, and no other size is timed."""
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_num_steps=3, max_num_seqs=8, speculative_calibration_s=0.01)
+    c = llm.engine.spec.calibration
+    assert {n for n, _ in c.times} == {1}
+    assert all(len(times) == 3 for times in c.times.values()), c.times  # `timed` steps, one round
+    assert not llm.engine.requests
+    assert_pool_full(llm)
+
+
 def test_calibration_keeps_every_batch_full_when_requests_reach_max_model_len(pair):
     """With a short max_model_len the dummy requests outgrow it within a batch size's measurement; they
     are replaced before each shape's steps, so a step timed at batch size n ran n requests (a plain step

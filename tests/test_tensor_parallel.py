@@ -112,8 +112,8 @@ def speculating_share(llm: LLM) -> float:
     at 0.6 per position (a chain of 1 / 2 / 3 gains 1.6 / 2.0 / 2.2 tokens), so that only the step times decide."""
     llm.engine.spec.controller.pin_acceptance([0.6])
     llm.generate(TEXT_PROMPTS[0], greedy(8))  # warm
-    for prompt in TEXT_PROMPTS:
-        llm.generate(prompt, greedy(24))
+    for prompt in TEXT_PROMPTS[1:]:
+        llm.generate(prompt, greedy(20))
     stats = llm.engine.stats
     return stats.spec.num_drafts / stats.num_steps
 
@@ -134,7 +134,7 @@ def test_a_slow_link_makes_the_controller_speculate_less(monkeypatch):
     real = TensorParallel.all_reduce
 
     def slow_all_reduce(self, x):
-        time.sleep(x.numel() * x.element_size() / 0.1e6)
+        time.sleep(x.numel() * x.element_size() / 0.2e6)
         return real(self, x)
 
     monkeypatch.setattr(TensorParallel, "all_reduce", slow_all_reduce)

@@ -87,9 +87,10 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     """Time `rounds` x `timed` steps of every shape at the batch sizes of `batch_sizes` in turn, each run
     after `warmup` untimed steps (the switch from the shape before; for plain decoding the overlap pipeline
     fills in two steps, the first one's time read in the second), with dummy requests of `prompt_len`
-    random tokens, as long as the next size (guessed to take twice the last) fits in `budget_s` seconds.
-    At batch size 4 it also times the longest chain accepting nothing and everything (synthetic
-    verdicts), for the host time per emitted token. Then, with what is left of the budget and from the
+    random tokens, as long as the next size (guessed to take twice the last) fits in `budget_s` seconds
+    (the first size always gets one round, a further one only where it fits). At batch size 4 it also
+    times the longest chain accepting nothing and everything (synthetic verdicts), for the host time per
+    emitted token. Then, with what is left of the budget and from the
     smallest size again, `prompt_timed` times per draft shape what its step with a prompt of up to
     `arriving_len` tokens costs over a plain one (`_prompt_extra`; skipped where the step's token budget
     leaves the prompt under 64 tokens or no request more fits). The engine must be idle; it is idle again afterwards."""
@@ -116,7 +117,11 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
         token_size = sizes[min(2, len(sizes) - 1)] if sizes else 0  # batch 4: enough tokens, cheap steps
 
         def decode_steps(n: int) -> None:
-            for _ in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
+            began = time.perf_counter()
+            for r in range(rounds):  # shapes interleaved: a burst of load does not land on one shape alone
+                now = time.perf_counter()
+                if r and now - start + (now - began) / r > budget_s:  # one round at least; more if they fit
+                    break
                 for shape in shapes:
                     dummies.grow(n, decode_need)
                     times, tokens = _timed_steps(engine, shape, warmup, timed)
