@@ -1,9 +1,12 @@
-"""The Triton paged-attention kernel against the torch backend: prefill chunks, decode, chains and trees.
+"""The Triton paged-attention kernel against the torch backend: prefill chunks, decode, chains and trees, with
+and without key splits (split-K); split-K in CUDA graphs replayed at new lengths; the split rule.
 
-Runs on CUDA (`--device cuda`); skipped on CPU-only machines without Triton.
+Runs on CUDA (`--device cuda`); the attention tests also on CPU under Triton's interpreter (TRITON_INTERPRET=1,
+where half precision is fp16: the interpreter does bf16 arithmetic on the raw bits); else skipped.
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -11,11 +14,17 @@ import torch
 
 from specserve.layers import triton_attention
 from specserve.layers.attention import TritonBackend, build_metadata
+from specserve.layers.triton_split import splits_for
 
 from .conftest import DEVICE
 
-needs_cuda = pytest.mark.skipif(not triton_attention.available() or DEVICE["name"] != "cuda",
-                                reason="the Triton kernel runs on CUDA")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(
+    not triton_attention.available() or not (DEVICE["name"] == "cuda" or INTERPRET),
+    reason="the Triton kernels run on CUDA (--device cuda), or on CPU under TRITON_INTERPRET=1")
+needs_cuda = pytest.mark.skipif(not triton_attention.available() or DEVICE["name"] != "cuda" or INTERPRET,
+                                reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
+HALF = torch.float16 if INTERPRET else torch.bfloat16
 
 
 def random_tree(q: int, rng: random.Random) -> torch.Tensor:
@@ -27,20 +36,30 @@ def random_tree(q: int, rng: random.Random) -> torch.Tensor:
     return mask
 
 
-def run_case(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, trees=False, block_size=16, seed=0):
+def random_tables(seq_lens, block_size, rng, num_blocks=None):
+    """Block tables of sequences of seq_lens keys over shuffled blocks (4 spare blocks unless num_blocks given)."""
+    needs = [-(-n // block_size) for n in seq_lens]
+    blocks = list(range(num_blocks if num_blocks is not None else sum(needs) + 4))
+    rng.shuffle(blocks)
+    starts = [sum(needs[:i]) for i in range(len(needs))]
+    return [blocks[s:s + n] for s, n in zip(starts, needs)], len(blocks)
+
+
+def reference(q_lens, seq_lens, tables, block_size, masks, q, k, v, cache, scale, skip_first=False):
+    """The torch backend's attention (writes k, v into cache)."""
+    meta = build_metadata(q_lens, seq_lens, tables, block_size, cache.device, masks)
+    return (meta.without_first_key() if skip_first else meta).attend(q, k, v, cache, scale)
+
+
+def run_case(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, trees=False, block_size=16, seed=0,
+             num_splits=None, skip_first=False):
+    """The kernel (num_splits: forced key splits, else the backend's choice) against the torch backend."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     device = torch.device(DEVICE["name"])
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks = list(range(sum(-(-n // block_size) for n in seq_lens) + 4))
-    rng.shuffle(blocks)
-    tables, used = [], 0
-    for n in seq_lens:
-        need = -(-n // block_size)
-        tables.append(blocks[used:used + need])
-        used += need
-    slots = len(blocks) * block_size
-    cache = torch.randn(2, slots, kv_heads, head_dim, dtype=dtype, device=device)
+    tables, num_blocks = random_tables(seq_lens, block_size, rng)
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=device)
     total = sum(q_lens)
     q = torch.randn(total, heads, head_dim, dtype=dtype, device=device)
     k = torch.randn(total, kv_heads, head_dim, dtype=dtype, device=device)
@@ -48,27 +67,31 @@ def run_case(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, trees=False, bl
     masks = [random_tree(n, rng) if trees and n > 1 else None for n in q_lens] if trees else None
     scale = head_dim ** -0.5
     ref_cache = cache.clone()
-    ref = build_metadata(q_lens, seq_lens, tables, block_size, device, masks).attend(q, k, v, ref_cache, scale)
-    meta = TritonBackend().metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads, masks)
-    out = meta.attend(q, k, v, cache, scale)
+    ref = reference(q_lens, seq_lens, tables, block_size, masks, q, k, v, ref_cache, scale, skip_first)
+    if num_splits is None:
+        meta = TritonBackend().metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads, masks)
+    else:
+        meta = triton_attention.build_triton_metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads,
+                                                      masks, num_splits=num_splits)
+    out = (meta.without_first_key() if skip_first else meta).attend(q, k, v, cache, scale)
     assert torch.equal(cache, ref_cache), "KV written to different slots"
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
 
-@needs_cuda
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 32), (32, 8, 128), (4, 4, 24)])
 def test_decode_and_prefill(heads, kv_heads, head_dim):
     run_case([1, 1, 1], [5, 40, 200], heads, kv_heads, head_dim, torch.float32)
     run_case([37, 1, 130, 4], [0, 17, 64, 3], heads, kv_heads, head_dim, torch.float32)
-    run_case([300, 1], [100, 1000], heads, kv_heads, head_dim, torch.bfloat16)
+    run_case([300, 1], [100, 1000], heads, kv_heads, head_dim, HALF)
 
 
-@needs_cuda
+@needs_kernels
 @pytest.mark.parametrize("q", [2, 4, 8, 16])
 def test_trees(q):
     run_case([q, q, 1, q], [10, 100, 33, 0], 6, 2, 32, torch.float32, trees=True, seed=q)
-    run_case([q] * 5, [70, 3, 15, 16, 17], 32, 8, 128, torch.bfloat16, trees=True, seed=q + 1)
+    run_case([q] * 5, [70, 3, 15, 16, 17], 32, 8, 128, HALF, trees=True, seed=q + 1)
 
 
 def test_bitmask_uses_every_bit():
@@ -77,6 +100,136 @@ def test_bitmask_uses_every_bit():
     tree[1, :] = True
     assert triton_attention.tree_bitmask(tree).tolist() == [-(1 << 63), -1]
 
+
+
+SPLIT_CASES = {  # (q_lens, ctx_lens, trees): contexts from empty to a few chunks (later splits empty)
+    "decode": ([1, 1, 1, 1], [0, 5, 70, 300], False),
+    "chain": ([4, 4, 4], [0, 63, 250], False),
+    "tree": ([8, 8, 1, 8], [2, 100, 33, 290], True),
+    "prefill": ([40, 1, 40], [0, 200, 130], False),
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", list(SPLIT_CASES))
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_splits(num_splits, kind, dtype):
+    """Split-K is exact: every forced number of splits gives the torch backend's attention (GQA group 3 padded
+    to 4 rows; prefill tiles of one sequence with different kv ends)."""
+    q_lens, ctx_lens, trees = SPLIT_CASES[kind]
+    run_case(q_lens, ctx_lens, 6, 2, 32, dtype, trees=trees, num_splits=num_splits, seed=num_splits)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 16), (2, 1, 192)])
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_splits_shapes_and_skip_first(heads, kv_heads, head_dim, skip_first):
+    """Head sizes that are not a power of two, wide heads (BLOCK_N 32), the EAGLE-3 draft's hidden key 0."""
+    run_case([1, 5, 1], [1, 90, 260], heads, kv_heads, head_dim, torch.float32, trees=True, num_splits=4,
+             skip_first=skip_first)
+
+
+@needs_kernels
+def test_splits_long_context():
+    run_case([1, 8], [3000, 2500], 4, 2, 32, torch.float32, trees=True, num_splits=8)
+
+
+def test_splits_for():
+    assert splits_for(1, 8, 16384, 64) == 32  # batch 1 of an 8B Llama: 8 programs -> 256
+    assert splits_for(2, 8, 16384, 64, sms=78) == 8
+    assert splits_for(64, 8, 16384, 64) == 1  # 512 programs fill the GPU already
+    assert splits_for(1, 8, 400, 64) == 1  # short context
+    assert splits_for(1, 8, 6 * 4 * 64, 64) == 4  # at least 4 blocks per split: 6, then a power of two
+    assert splits_for(1, 8, 100_000, 32) == 32
+    assert splits_for(1, 1, 10 ** 6, 64) == 64  # at most 64
+
+
+def test_metadata_chooses_splits():
+    """From the step's tiles and longest context, or (CUDA graphs) the longest context its block tables hold;
+    the KV heads and head size from the cache."""
+    cpu, cache = torch.device("cpu"), torch.empty(1, 2, 16, 8, 128)
+    build = triton_attention.build_triton_metadata
+    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 32
+    assert build([1] * 64, [16384] * 64, [list(range(1024))] * 64, 16, cpu, 4, kv_cache=cache).num_splits == 1
+    assert build([1], [300], [list(range(19))], 16, cpu, 4, kv_cache=cache).num_splits == 1
+    assert build([1], [16384], [list(range(1024))], 16, cpu, 4).num_splits == 1  # no cache: no shapes
+    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache, num_splits=3).num_splits == 3
+
+    def static(bs, width):
+        i32 = dict(dtype=torch.int32)
+        return triton_attention.static_triton_metadata(
+            torch.zeros(bs, dtype=torch.long), torch.zeros(bs, width, **i32), torch.zeros(bs, **i32),
+            torch.ones(bs, **i32), torch.zeros(bs, dtype=torch.long), torch.zeros(bs, **i32), 1, 4, 16, cache, False,
+            {}).num_splits
+
+    assert (static(1, 1024), static(2, 1024), static(32, 1024), static(1, 8)) == (32, 16, 1, 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q,num_splits", [(1, None), (1, 8), (4, 3)])
+def test_split_cuda_graph_replays_new_lengths(q, num_splits, dtype):
+    """Split-K captured in a CUDA graph at a fixed num_splits, replayed at longer and shorter contexts than at
+    capture (some splits empty) and with padding rows: what eager attention and the torch backend compute."""
+    dev, bs, heads, kv_heads, head_dim, page, width = torch.device("cuda"), 3, 8, 2, 64, 16, 64
+    group, scale, rng = heads // kv_heads, head_dim ** -0.5, random.Random(q)
+    torch.manual_seed(q)
+    scratch_slot = bs * width * page  # a block past the tables' pool
+    cache = torch.randn(2, scratch_slot + page, kv_heads, head_dim, dtype=dtype, device=dev)
+    i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.long, device=dev)
+    slots, bits = torch.zeros(bs * q, **i64), torch.zeros(bs * q, **i64)
+    tables, seq_lens, tree_lens = torch.zeros(bs, width, **i32), torch.zeros(bs, **i32), torch.zeros(bs, **i32)
+    xq = torch.zeros(bs * q, heads, head_dim, dtype=dtype, device=dev)
+    xk, xv = (torch.zeros(bs * q, kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
+    meta = triton_attention.static_triton_metadata(slots, tables, seq_lens, torch.full((bs,), q, **i32), bits,
+                                                   tree_lens, q, group, page, cache[None], False, {}, num_splits)
+    assert meta.num_splits == (num_splits or 4)  # auto: 6 programs; 1024 keys at most, 4 blocks of 64 per split
+
+    def fill(ctx_lens):  # a step of len(ctx_lens) <= bs sequences, the rest padding rows
+        from specserve.layers.attention import new_token_slots, padded_tables
+
+        real = len(ctx_lens)
+        q_lens, lens = [q] * real, [c + q for c in ctx_lens]
+        tabs, _ = random_tables(lens, page, rng, num_blocks=bs * width)
+        trees = [random_tree(q, rng) for _ in range(real)] if q > 1 else None
+        slots.fill_(scratch_slot)
+        slots[:real * q].copy_(torch.tensor(new_token_slots(q_lens, lens, tabs, page)))
+        table = padded_tables(tabs)
+        tables.zero_()
+        tables[:real, :table.shape[1]].copy_(table)
+        seq_lens.zero_()
+        seq_lens[:real].copy_(torch.tensor(lens))
+        bits.zero_()
+        tree_lens.zero_()
+        if trees:
+            bits[:real * q].copy_(triton_attention.tree_bits(trees, q_lens, dev))
+            tree_lens[:real] = q
+        for x in (xq, xk, xv):
+            x.normal_()
+        return q_lens, lens, tabs, trees
+
+    fill([500, 40, 9])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
+        meta.attend(xq, xk, xv, cache, scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = meta.attend(xq, xk, xv, cache, scale)
+    for ctx_lens in ([1024 - q, 7, 600], [3, 0], [130, 1000 - q, 64], [0]):
+        q_lens, lens, tabs, trees = fill(ctx_lens)
+        n = len(lens) * q
+        before = cache.clone()
+        graph.replay()
+        eager = triton_attention.build_triton_metadata(q_lens, lens, tabs, page, dev, group, trees,
+                                                       num_splits=meta.num_splits)
+        want = eager.attend(xq[:n], xk[:n], xv[:n], before.clone(), scale)
+        ref = reference(q_lens, lens, tabs, page, trees, xq[:n], xk[:n], xv[:n], before, scale)
+        torch.testing.assert_close(out[:n], want)
+        err = (out[:n].float() - ref.float()).norm() / ref.float().norm()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (ctx_lens, err)
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

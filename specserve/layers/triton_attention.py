@@ -6,6 +6,16 @@ BLOCK_Q query tokens of one sequence, times the query heads sharing one KV head 
 attention), so a tile's rows are (query token, head) pairs. Each tile walks the sequence's keys in
 BLOCK_N chunks with an online softmax (flash attention).
 
+Split-K ("flash-decoding", triton_split): at batch 1 a decode step has only one tile per KV head, too few
+programs to keep a GPU's multiprocessors busy while they stream a long context. The grid then gets a third
+dimension of `num_splits` (TritonMetadata, chosen by triton_split.splits_for from the step's shape): program
+`split` walks only keys [split * chunk, (split + 1) * chunk) of its tile's kv_end keys, with
+chunk = ceil(ceil(kv_end / num_splits) / BLOCK_N) * BLOCK_N computed in the kernel from the tile's own kv_end.
+So the grid depends only on shapes, and a CUDA graph captured with a fixed num_splits stays correct at any
+replayed length (splits past the end write a neutral partial). The splits write fp32 partials (max, sum of
+exponentials, unnormalised output) to scratch that a second kernel merges. With one split the kernel writes
+the normalised output directly, as before.
+
 Visibility follows `attention.build_metadata`: query i of a sequence with q new tokens and kv length
 L sits at kv index L - q + i and sees every key up to it; when a tree of m nodes is given, the last m
 keys are visible only where the query token's bitmask (bit j = key L - m + j) says so.
@@ -21,6 +31,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..device import to_device
+from .triton_split import combine_splits, sm_count, splits_for
 
 try:
     import triton
@@ -39,12 +50,13 @@ if triton is not None:
     @triton.jit
     def _paged_attention(
         Q, KC, VC, Out,  # Q, Out [T, H, D]; KC, VC [slots, Hkv, D]
+        PartAcc, PartM, PartL,  # NUM_SPLITS > 1: fp32 partials PartAcc [T, H, NUM_SPLITS, D], PartM, PartL [T, H, S]
         block_tables, seq_lens, q_starts, q_lens, tree_bits, tree_lens, tile_seq, tile_q0,
         stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh, stride_bt,
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -70,10 +82,18 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        kv_end = tl.minimum(L, L - qn + q0 + BLOCK_Q)
-        for start in range(0, kv_end, BLOCK_N):
+        kv_end = tl.minimum(L, L - qn + q0 + BLOCK_Q)  # keys [0, kv_end) are visible to some row of the tile
+        if NUM_SPLITS == 1:
+            lo = 0
+            hi = kv_end
+        else:  # this split's share of them; empty for splits past the end (padding rows: kv_end <= 0)
+            kv_end = tl.maximum(kv_end, 0)
+            chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = tl.program_id(2) * chunk
+            hi = tl.minimum(lo + chunk, kv_end)
+        for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
-            jvalid = j < kv_end
+            jvalid = j < hi
             page = tl.load(block_tables + b * stride_bt + j // PAGE, mask=jvalid, other=0)
             slot = page.to(tl.int64) * PAGE + j % PAGE
             kv_off = slot[:, None] * stride_ct + kvh * stride_ch + d[None, :]
@@ -101,13 +121,24 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=valid[:, None] & dmask[None, :])
+        if NUM_SPLITS == 1:
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=valid[:, None] & dmask[None, :])
+        else:  # unnormalised; a split that saw no visible key leaves m = -inf, l = 0, acc = 0
+            row = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + tl.program_id(2)  # [BLOCK_M]
+            tl.store(PartM + row, m_i, mask=valid)
+            tl.store(PartL + row, l_i, mask=valid)
+            tl.store(PartAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None] & dmask[None, :])
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def block_n_for(head_dim: int) -> int:
+    """Keys per step of a tile's walk (fewer for wide heads: registers)."""
+    return 64 if head_dim <= 128 else 32
 
 
 def block_q_for(max_q: int, group: int) -> int:
@@ -133,6 +164,7 @@ class TritonMetadata:
     block_q: int
     page: int
     skip_first_key: bool = False  # key 0 of every sequence hidden
+    num_splits: int = 1  # key splits per tile (triton_split.splits_for): 1 = one program walks the whole context
     kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
     fuses_kv_write: ClassVar[bool] = True  # the model may write rotated keys and values itself (rope_and_cache)
 
@@ -147,18 +179,30 @@ class TritonMetadata:
             cache[0, self.slot_mapping] = k
             cache[1, self.slot_mapping] = v
         out = torch.empty_like(q)
-        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        (tokens, heads, head_dim), kv_heads, splits = q.shape, k.shape[1], self.num_splits
+        if splits == 1:
+            acc = row_max = row_sum = out  # not read
+        else:  # fp32 partials of each (token, head, split), merged into out by combine_splits
+            acc = torch.empty(tokens, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            row_max, row_sum = torch.empty(2, tokens, heads, splits, dtype=torch.float32, device=q.device)
         group = heads // kv_heads
         kc, vc = cache[0], cache[1]
-        _paged_attention[(self.tile_seq.shape[0], kv_heads)](
-            q, kc, vc, out, self.block_tables, self.seq_lens, self.q_starts, self.q_lens, self.tree_bits,
-            self.tree_lens, self.tile_seq, self.tile_q0,
+        _paged_attention[(self.tile_seq.shape[0], kv_heads, splits)](
+            q, kc, vc, out, acc, row_max, row_sum, self.block_tables, self.seq_lens, self.q_starts, self.q_lens,
+            self.tree_bits, self.tree_lens, self.tile_seq, self.tile_q0,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
             self.block_tables.stride(0), scale,
-            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, BLOCK_N=64 if head_dim <= 128 else 32,
+            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, BLOCK_N=block_n_for(head_dim),
             HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page,
-            IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, num_warps=4)
-        return out
+            IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, num_warps=4)
+        return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
+
+
+def auto_splits(num_tiles: int, max_kv: int, kv_cache: torch.Tensor, device: torch.device) -> int:
+    """triton_split.splits_for a step of num_tiles tiles over contexts of up to max_kv keys, with the KV heads and
+    head size of kv_cache ([layers, 2, slots, kv_heads, head_dim]) and the multiprocessors of device."""
+    kv_heads, head_dim = kv_cache.shape[-2:]
+    return splits_for(num_tiles, kv_heads, max_kv, block_n_for(head_dim), sm_count(device))
 
 
 def tree_bitmask(tree: torch.Tensor) -> torch.Tensor:
@@ -183,8 +227,9 @@ def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: to
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
                           tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
-                          kv_cache: Optional[torch.Tensor] = None) -> TritonMetadata:
-    """The triton backend's metadata (the contract of attention.AttentionBackend.metadata)."""
+                          kv_cache: Optional[torch.Tensor] = None, num_splits: Optional[int] = None) -> TritonMetadata:
+    """The triton backend's metadata (the contract of attention.AttentionBackend.metadata). num_splits: key
+    splits per tile; by default `auto_splits` of the step (1 without kv_cache, whose shape it needs)."""
     from .attention import new_token_slots, padded_tables
 
     batch = len(q_lens)
@@ -204,25 +249,33 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
         return to_device(values, dtype, device)
 
     slots = new_token_slots(q_lens, seq_lens, block_tables, block_size)
+    if num_splits is None:
+        num_splits = 1 if kv_cache is None else auto_splits(len(tile_seq), max(seq_lens), kv_cache, device)
     return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(padded_tables(block_tables)),
                           seq_lens=t(seq_lens), q_starts=t(q_starts), q_lens=t(q_lens),
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
                           tile_seq=t(tile_seq),
-                          tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache)
+                          tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache,
+                          num_splits=num_splits)
 
 
 def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
                            page: int, kv_cache: torch.Tensor, skip_first_key: bool,
-                           constants: dict) -> TritonMetadata:
+                           constants: dict, num_splits: Optional[int] = None) -> TritonMetadata:
     """The triton backend's metadata over fixed-shape device tensors (attention.AttentionBackend.static_metadata):
-    one tile per sequence of at most q <= 16 queries. `constants` caches the tile tensors per (batch, q)."""
+    one tile per sequence of at most q <= 16 queries. `constants` caches the tile tensors per (batch, q).
+    num_splits: key splits per tile; by default `auto_splits` at the longest context the block tables can hold
+    (the kernel sizes each split's share from the live length, so shorter replays stay correct)."""
     bs, dev = seq_lens.shape[0], seq_lens.device
     key = (bs, q, dev)
     if key not in constants:  # made in a capture's warm-up run, outside the graph
         i32 = dict(dtype=torch.int32, device=dev)
         constants[key] = (torch.arange(0, bs * q, q, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
     q_starts, tile_seq, tile_q0 = constants[key]
+    if num_splits is None:
+        num_splits = auto_splits(bs, block_tables.shape[1] * page, kv_cache, dev)
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
                           q_lens=q_lens, tree_bits=tree_bits, tree_lens=tree_lens, tile_seq=tile_seq, tile_q0=tile_q0,
-                          block_q=block_q_for(q, group), page=page, skip_first_key=skip_first_key, kv_cache=kv_cache)
+                          block_q=block_q_for(q, group), page=page, skip_first_key=skip_first_key, kv_cache=kv_cache,
+                          num_splits=num_splits)
