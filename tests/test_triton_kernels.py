@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from specserve.engine.cuda_graph import capture_all
 from specserve.layers import triton_attention
 from specserve.layers.attention import TritonBackend, build_metadata
 from specserve.layers.triton_split import splits_for
@@ -210,14 +211,8 @@ def test_split_cuda_graph_replays_new_lengths(q, num_splits, dtype):
         return q_lens, lens, tabs, trees
 
     fill([500, 40, 9])
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
-        meta.attend(xq, xk, xv, cache, scale)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = meta.attend(xq, xk, xv, cache, scale)
+    graphs, outputs = capture_all([()], lambda: meta.attend(xq, xk, xv, cache, scale))
+    graph, out = graphs[()], outputs[()]
     for ctx_lens in ([1024 - q, 7, 600], [3, 0], [130, 1000 - q, 64], [0]):
         q_lens, lens, tabs, trees = fill(ctx_lens)
         n = len(lens) * q

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from specserve.engine.cuda_graph import capture_all
 from specserve.layers import triton_moe
 
 from .conftest import DEVICE
@@ -132,14 +133,8 @@ def test_cuda_graph_replays_new_routing():
     x = torch.randn(n, hidden, device=device, dtype=dtype)
     weights, experts = random_routing(n, num_experts, top_k, device)
     weights = weights.to(dtype)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile the kernels and warm the allocator outside the capture
-        triton_moe.fused_experts(x, w13, w2, weights, experts)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = triton_moe.fused_experts(x, w13, w2, weights, experts)
+    graphs, outputs = capture_all([()], lambda: triton_moe.fused_experts(x, w13, w2, weights, experts))
+    graph, out = graphs[()], outputs[()]
     for skew in (None, "one", None, "same"):
         new_weights, new_experts = random_routing(n, num_experts, top_k, device, skew)
         x.copy_(torch.randn_like(x))
@@ -229,14 +224,8 @@ def test_route_cuda_graph_replays_new_logits():
     n, num_experts, top_k = 16, 128, 8
     torch.manual_seed(0)
     logits = distinct_logits(n, num_experts, torch.float32, "cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile outside the capture
-        triton_moe.route(logits, top_k, True, torch.bfloat16)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        weights, experts = triton_moe.route(logits, top_k, True, torch.bfloat16)
+    graphs, outputs = capture_all([()], lambda: triton_moe.route(logits, top_k, True, torch.bfloat16))
+    graph, (weights, experts) = graphs[()], outputs[()]
     for _ in range(3):
         logits.copy_(distinct_logits(n, num_experts, torch.float32, "cuda"))
         graph.replay()
