@@ -9,6 +9,20 @@ import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
 DEVICE = {"name": "cpu"}
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: a test-time switch only
+
+
+def kernel_marks() -> tuple:
+    """(needs_kernels, needs_cuda) skip marks for Triton kernel tests: the kernels run on CUDA (--device cuda)
+    or on CPU under Triton's interpreter; some tests need them compiled for CUDA. Call at module import
+    (after pytest_configure has read --device)."""
+    from specserve.layers.triton_ops import triton
+
+    kernels = pytest.mark.skipif(triton is None or not (DEVICE["name"] == "cuda" or INTERPRET),
+                                 reason="Triton kernels run on CUDA (--device cuda) or under TRITON_INTERPRET=1")
+    cuda = pytest.mark.skipif(triton is None or DEVICE["name"] != "cuda" or INTERPRET,
+                              reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
+    return kernels, cuda
 
 
 def pytest_addoption(parser):

@@ -6,7 +6,6 @@ where half precision is fp16: the interpreter does bf16 arithmetic on the raw bi
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -17,14 +16,9 @@ from specserve.layers import triton_attention
 from specserve.layers.attention import TritonBackend, build_metadata
 from specserve.layers.triton_split import splits_for
 
-from .conftest import DEVICE
+from .conftest import DEVICE, INTERPRET, kernel_marks
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernels = pytest.mark.skipif(
-    not triton_attention.available() or not (DEVICE["name"] == "cuda" or INTERPRET),
-    reason="the Triton kernels run on CUDA (--device cuda), or on CPU under TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not triton_attention.available() or DEVICE["name"] != "cuda" or INTERPRET,
-                                reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
+needs_kernels, needs_cuda = kernel_marks()
 HALF = torch.float16 if INTERPRET else torch.bfloat16
 
 

@@ -5,8 +5,6 @@ Runs on CUDA (`--device cuda`); on CPU only under Triton's interpreter (TRITON_I
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,14 +12,9 @@ import torch.nn.functional as F
 from specserve.engine.cuda_graph import capture_all
 from specserve.layers import triton_moe
 
-from .conftest import DEVICE
+from .conftest import DEVICE, INTERPRET, kernel_marks
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-needs_kernels = pytest.mark.skipif(
-    not triton_moe.available() or not (DEVICE["name"] == "cuda" or INTERPRET),
-    reason="the Triton kernels run on CUDA (--device cuda), or on CPU under TRITON_INTERPRET=1")
-needs_cuda = pytest.mark.skipif(not triton_moe.available() or DEVICE["name"] != "cuda" or INTERPRET,
-                                reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
+needs_kernels, needs_cuda = kernel_marks()
 
 
 def reference(x, w13, w2, weights, experts):
