@@ -63,7 +63,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [n, hidden], weights and experts [n, top_k] -> sum over each token's experts of weight * MLP(x),
         [n, hidden], all-reduced over tensor-parallel ranks."""
-        if use_triton(x) and triton_moe.available():
+        if use_triton(x):
             return self.tp.all_reduce(triton_moe.fused_experts(x, self.w13, self.w2, weights, experts))
         top_k = experts.shape[1]
         flat = experts.reshape(-1)  # [n * top_k]
@@ -112,7 +112,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        if use_triton(x) and triton_moe.available():  # the router in one kernel: [n, top_k] each, experts int32
+        if use_triton(x):  # the router in one kernel: [n, top_k] each, experts int32
             weights, experts = triton_moe.route(self.gate(x), self.top_k, self.norm_topk_prob, x.dtype)
             return self.experts(x, weights, experts)
         probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, experts]

@@ -54,8 +54,8 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
         return out
     _combine_splits[(tokens, heads)](
         acc, row_max, row_sum, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=1 << (splits - 1).bit_length(), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()), num_warps=4)
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4)
     return out
 
 
