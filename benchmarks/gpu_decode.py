@@ -15,6 +15,12 @@ One run measures, on the device it runs on:
     python benchmarks/gpu_decode.py --out gpu_decode.json            # Llama-3.1-8B shape
     python benchmarks/gpu_decode.py --part hf --out hf.json          # only the transformers half
     python benchmarks/gpu_decode.py --config benchmarks/configs/qwen3-30b-a3b --part specserve loop --out moe.json
+    python benchmarks/gpu_decode.py --part specserve --contexts 256 4096 16384 32768 --batches 1 16 64 256 \
+        --out long.json                                               # a context-length axis
+
+Each context length (prompt tokens) gets its own engine, with max_model_len = context + gen_len + 32 unless
+--max-model-len says otherwise (to see what a long max_model_len costs short contexts); a (context, batch) cell
+whose KV exceeds --max-kv-tokens is left out. Prompts longer than 8192 tokens are prefilled in chunks.
 """
 from __future__ import annotations
 
@@ -99,33 +105,40 @@ def roofline(arch: ArchConfig, layout: WeightLayout, batch: int, context: float,
     return max((2 * layout.read(tokens) + kv_bytes) / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"])
 
 
-def start_engine(args, **options):
+def batches_at(args, context: int) -> list[int]:
+    """The batch sizes measured at this context: those whose KV fits --max-kv-tokens."""
+    return [b for b in args.batches if b * (context + args.gen_len) <= args.max_kv_tokens]
+
+
+def start_engine(args, context: int, **options):
     from specserve import LLM
 
     return LLM(args.config, load_format="dummy", dtype="bfloat16", speculative_algorithm="none",
-               max_model_len=args.prompt_len + args.gen_len + 32, max_num_seqs=max(args.batches),
-               max_num_batched_tokens=max(8192, args.prompt_len * 4), kv_host_ratio=0.0, **options)
+               max_model_len=args.max_model_len or context + args.gen_len + 32,
+               max_num_seqs=max(batches_at(args, context)), max_num_batched_tokens=8192, kv_host_ratio=0.0, **options)
 
 
-def specserve_part(args, arch, layout, ceil) -> dict:
+def specserve_part(args, arch, layout, ceil, context: int) -> dict:
     from specserve.engine.cuda_graph import GraphRunner
 
-    max_bs = max(args.batches)
+    batches = batches_at(args, context)
+    max_bs = max(batches)
     t0 = time.perf_counter()
-    llm = start_engine(args)
+    llm = start_engine(args, context)
     engine = llm.engine
     out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
-           "num_graphs": len(engine.runner.graphs.graphs), "decode": {}, "verify_cost": {}}
+           "num_graphs": len(engine.runner.graphs.graphs), "max_model_len": engine.config.model.max_model_len,
+           "kv_tokens": engine.runner.num_blocks * engine.runner.block_size, "decode": {}, "verify_cost": {}}
     gen = torch.Generator().manual_seed(0)
-    for batch in args.batches:
-        best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+    for batch in batches:
+        best = batch / roofline(arch, layout, batch, context + args.gen_len / 2, 1, ceil)
         row = {"roofline_tokens_per_s": best}
         for overlap in (True, False):
             engine.overlap = overlap
-            tps = decode_rate(engine, batch, args, arch, gen)
+            tps = decode_rate(engine, batch, context, args, arch, gen)
             row["tokens_per_s" if overlap else "tokens_per_s_without_overlap"] = tps
-            print(f"specserve batch {batch} overlap {'on ' if overlap else 'off'}: {tps:,.0f} tok/s = "
-                  f"{tps / best:.0%} of roofline {best:,.0f}", flush=True)
+            print(f"specserve context {context} batch {batch} overlap {'on ' if overlap else 'off'}: "
+                  f"{tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}", flush=True)
         row["fraction"] = row["tokens_per_s"] / best
         out["decode"][batch] = row
     engine.overlap = True
@@ -136,7 +149,7 @@ def specserve_part(args, arch, layout, ceil) -> dict:
                          runner.graphs.block_tables.shape[1], [1, 2, 4, 8], (), runner.group, runner.scratch_slot,
                          runner.device)
     graphs.capture()
-    blocks_per_seq = -(-(args.prompt_len + 8) // runner.block_size)
+    blocks_per_seq = -(-(context + 8) // runner.block_size)
     for batch in verify_bs:
         row = {}
         table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1) % runner.num_blocks
@@ -144,24 +157,24 @@ def specserve_part(args, arch, layout, ceil) -> dict:
         for q in (1, 2, 4, 8):
             if (batch, q) not in graphs.graphs:
                 continue
-            graphs.seq_lens[:batch].fill_(args.prompt_len + q)
+            graphs.seq_lens[:batch].fill_(context + q)
             graphs.slots[:batch * q].fill_(runner.scratch_slot)
             row[q] = time_events(graphs.graphs[(batch, q)].replay, 20)
         out["verify_cost"][batch] = {q: {"ms": t * 1e3, "vs_1": t / row[1]} for q, t in row.items()}
-        print(f"verify cost batch {batch}: " + ", ".join(f"{q} tok {t / row[1]:.2f}x" for q, t in row.items()),
-              flush=True)
+        costs = ", ".join(f"{q} tok {t / row[1]:.2f}x" for q, t in row.items())
+        print(f"verify cost context {context} batch {batch}: {costs}", flush=True)
     del llm, engine, runner, graphs
     torch.cuda.empty_cache()
     return out
 
 
-def decode_rate(engine, batch: int, args, arch, gen) -> float:
+def decode_rate(engine, batch: int, context: int, args, arch, gen) -> float:
     """Output tokens/s of the engine's steps while all `batch` requests decode (prefill excluded)."""
     from specserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.gen_len, ignore_eos=True)
     for _ in range(batch):
-        engine.add_request(torch.randint(10, arch.vocab_size, (args.prompt_len,), generator=gen).tolist(), params)
+        engine.add_request(torch.randint(10, arch.vocab_size, (context,), generator=gen).tolist(), params)
     decode_s, decode_tokens = 0.0, 0
     while engine.has_unfinished():
         running = engine.scheduler.running
@@ -210,18 +223,18 @@ def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     return self.tp.all_reduce(out)
 
 
-def loop_part(args, arch, layout, ceil) -> dict:
+def loop_part(args, arch, layout, ceil, context: int) -> dict:
     """Decode through the same engine with each MoE layer's experts run one at a time (eager: the loop reads
     the routing on the host)."""
     from specserve.layers.moe import Experts
 
     forward, Experts.forward = Experts.forward, loop_experts
     try:
-        llm = start_engine(args, enforce_eager=True)
+        llm = start_engine(args, context, enforce_eager=True)
         out, gen = {"decode": {}}, torch.Generator().manual_seed(0)
-        for batch in args.batches:
-            best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
-            tps = decode_rate(llm.engine, batch, args, arch, gen)
+        for batch in batches_at(args, context):
+            best = batch / roofline(arch, layout, batch, context + args.gen_len / 2, 1, ceil)
+            tps = decode_rate(llm.engine, batch, context, args, arch, gen)
             out["decode"][batch] = {"tokens_per_s": tps, "fraction": tps / best}
             print(f"per-expert loop batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline", flush=True)
         llm.engine.close()
@@ -231,15 +244,15 @@ def loop_part(args, arch, layout, ceil) -> dict:
         torch.cuda.empty_cache()
 
 
-def hf_part(args, arch, layout, ceil) -> dict:
+def hf_part(args, arch, layout, ceil, context: int) -> dict:
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(args.config)
     with torch.device("cuda"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     out = {"transformers": tf.__version__, "decode": {}}
-    for batch in args.batches:
-        ids = torch.randint(10, arch.vocab_size, (batch, args.prompt_len), device="cuda")
+    for batch in batches_at(args, context):
+        ids = torch.randint(10, arch.vocab_size, (batch, context), device="cuda")
 
         def generate(n):
             torch.cuda.synchronize()
@@ -252,7 +265,7 @@ def hf_part(args, arch, layout, ceil) -> dict:
         generate(args.gen_len)  # compile / warm up
         full, one = generate(args.gen_len), generate(1)
         tps = batch * (args.gen_len - 1) / (full - one)
-        best = batch / roofline(arch, layout, batch, args.prompt_len + args.gen_len / 2, 1, ceil)
+        best = batch / roofline(arch, layout, batch, context + args.gen_len / 2, 1, ceil)
         out["decode"][batch] = {"tokens_per_s": tps, "fraction": tps / best}
         print(f"transformers batch {batch}: {tps:,.0f} tok/s = {tps / best:.0%} of roofline", flush=True)
     return out
@@ -262,8 +275,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--contexts", "--prompt-len", type=int, nargs="+", default=[256],
+                    help="prompt lengths in tokens, one engine each")
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="every engine's max_model_len (default: its context + gen_len + 32)")
+    ap.add_argument("--max-kv-tokens", type=int, default=300_000,
+                    help="leave out (context, batch) cells holding more KV tokens than this")
     ap.add_argument("--part", nargs="+", choices=("all", "specserve", "hf", "loop"), default=["all"],
                     help="all: specserve and transformers, and the per-expert loop for a MoE shape")
     ap.add_argument("--out", default="gpu_decode.json")
@@ -273,23 +291,35 @@ def main() -> None:
     parts = set(args.part) - {"all"} | ({"specserve", "hf"} | ({"loop"} if layout.moe else set())
                                         if "all" in args.part else set())
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
-              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "ceilings": ceilings("cuda")}
+              "contexts": args.contexts, "gen_len": args.gen_len, "max_model_len": args.max_model_len,
+              "ceilings": ceilings("cuda")}
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
           f"bf16 {result['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     print(f"weights read per step: {layout.read(1) * 2 / 1e9:.2f} GB at 1 token, {layout.read(256) * 2 / 1e9:.2f} GB at"
           f" 256; active parameters {layout.active() / 1e9:.2f} B", flush=True)
-    for part, fn in (("specserve", specserve_part), ("loop", loop_part), ("hf", hf_part)):
-        if part in parts:
-            result[part] = fn(args, arch, layout, result["ceilings"])
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-    for other, name in (("hf", "transformers"), ("loop", "per-expert loop")):
-        if "specserve" in result and other in result:
-            for b in args.batches:
-                s, h = result["specserve"]["decode"][b], result[other]["decode"][b]
-                print(f"batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})  "
-                      f"{name} {h['tokens_per_s']:>9,.0f} ({h['fraction']:.0%})  "
-                      f"ratio {s['tokens_per_s'] / h['tokens_per_s']:.2f}x")
+    for context in args.contexts:
+        if not batches_at(args, context):
+            continue
+        for part, fn in (("specserve", specserve_part), ("loop", loop_part), ("hf", hf_part)):
+            if part in parts:
+                result.setdefault(part, {})[context] = fn(args, arch, layout, result["ceilings"], context)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    summary(result, args)
+
+
+def summary(result: dict, args) -> None:
+    """One line per (context, batch): specserve's tokens/s and share of the roofline, beside the others'."""
+    for context, cell in result.get("specserve", {}).items():
+        for b in batches_at(args, context):
+            s = cell["decode"][b]
+            line = f"context {context:>6} batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})"
+            for other, name in (("hf", "transformers"), ("loop", "per-expert loop")):
+                if context in result.get(other, {}):
+                    h = result[other][context]["decode"][b]
+                    line += (f"  {name} {h['tokens_per_s']:>9,.0f} ({h['fraction']:.0%})  "
+                             f"ratio {s['tokens_per_s'] / h['tokens_per_s']:.2f}x")
+            print(line)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,10 @@ class LLMEngine:
                 raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
                                  f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
                                  f"or kv_cache_gb, or lower max_model_len")
+            tokens = self.runner.num_blocks * config.cache.block_size
+            log.info("KV cache: %d blocks of %d = %d tokens, %.1f GiB: %.1f sequences of max_model_len %d",
+                     self.runner.num_blocks, config.cache.block_size, tokens, self.runner.kv_cache.nbytes / 2**30,
+                     tokens / config.model.max_model_len, config.model.max_model_len)
             self.spec = SpecDecoder(config, self.arch, self.runner, spec_stats) \
                 if config.speculative.enabled else None
             self.blocks = make_block_manager(config.cache, self.runner, self.spec.proposer if self.spec else None)
