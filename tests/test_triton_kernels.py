@@ -61,15 +61,16 @@ def run_case(q_lens, ctx_lens, heads, kv_heads, head_dim, dtype, trees=False, bl
     v = torch.randn(total, kv_heads, head_dim, dtype=dtype, device=device)
     masks = [random_tree(n, rng) if trees and n > 1 else None for n in q_lens] if trees else None
     scale = head_dim ** -0.5
-    ref_cache = cache.clone()
-    ref = reference(q_lens, seq_lens, tables, block_size, masks, q, k, v, ref_cache, scale, skip_first)
+    ref_cache = cache.float()  # the reference computes in fp32 over the same (rounded) values
+    ref = reference(q_lens, seq_lens, tables, block_size, masks, q.float(), k.float(), v.float(), ref_cache, scale,
+                    skip_first)
     if num_splits is None:
         meta = TritonBackend().metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads, masks)
     else:
         meta = triton_attention.build_triton_metadata(q_lens, seq_lens, tables, block_size, device, heads // kv_heads,
                                                       masks, num_splits=num_splits)
     out = (meta.without_first_key() if skip_first else meta).attend(q, k, v, cache, scale)
-    assert torch.equal(cache, ref_cache), "KV written to different slots"
+    assert torch.equal(cache.float(), ref_cache), "KV written to different slots"
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < (1e-5 if dtype == torch.float32 else 2e-2), err
 
@@ -128,6 +129,22 @@ def test_splits_shapes_and_skip_first(heads, kv_heads, head_dim, skip_first):
 @needs_kernels
 def test_splits_long_context():
     run_case([1, 8], [3000, 2500], 4, 2, 32, torch.float32, trees=True, num_splits=8)
+
+
+LONG_CASES = {  # (q_lens, ctx_lens, trees) at the 8B shape's heads, up to 32k keys
+    "decode": ([1, 1], [32768, 16000], False),
+    "tree": ([8, 4], [32760, 9000], True),
+    "prefill": ([512, 1], [31744, 4096], False),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", list(LONG_CASES))
+@pytest.mark.parametrize("num_splits", [None, 1, 8, 64, 128])
+def test_long_contexts(kind, num_splits):
+    """Contexts up to 32k keys in bf16 against fp32 attention, at the backend's split choice and forced ones."""
+    q_lens, ctx_lens, trees = LONG_CASES[kind]
+    run_case(q_lens, ctx_lens, 32, 8, 128, torch.bfloat16, trees=trees, num_splits=num_splits, seed=len(kind))
 
 
 def test_splits_for():

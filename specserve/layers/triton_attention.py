@@ -141,6 +141,11 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+def launch_options(head_dim: int, num_splits: int) -> dict:
+    """BLOCK_N and the launch settings of `_paged_attention`."""
+    return {"BLOCK_N": block_n_for(head_dim), "num_warps": 4}
+
+
 def block_q_for(max_q: int, group: int) -> int:
     """Query tokens per tile: enough rows for the tensor cores (16), at most 64 rows for prefill."""
     group_pad = _pow2(group)
@@ -192,9 +197,9 @@ class TritonMetadata:
             self.tree_bits, self.tree_lens, self.tile_seq, self.tile_q0,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
             self.block_tables.stride(0), scale,
-            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, BLOCK_N=block_n_for(head_dim),
-            HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page,
-            IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, num_warps=4)
+            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim,
+            BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page, IEEE=q.dtype == torch.float32,
+            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim, splits))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 
