@@ -148,12 +148,14 @@ def test_long_contexts(kind, num_splits):
 
 
 def test_splits_for():
-    assert splits_for(1, 8, 16384, 64) == 32  # batch 1 of an 8B Llama: 8 programs -> 256
-    assert splits_for(2, 8, 16384, 64, sms=78) == 8
+    assert splits_for(1, 8, 16384, 64) == 64  # batch 1 of an 8B Llama: 8 programs -> 512, 4 per multiprocessor
+    assert splits_for(16, 8, 16384, 64) == 4  # 128 -> 512
+    assert splits_for(2, 8, 16384, 64, sms=78) == 16  # 16 programs -> 256 of at most 312
     assert splits_for(64, 8, 16384, 64) == 1  # 512 programs fill the GPU already
     assert splits_for(1, 8, 400, 64) == 1  # short context
     assert splits_for(1, 8, 6 * 4 * 64, 64) == 4  # at least 4 blocks per split: 6, then a power of two
-    assert splits_for(1, 8, 100_000, 32) == 32
+    assert splits_for(1, 8, 100_000, 32) == 64
+    assert splits_for(3, 8, 100_000, 64) == 16  # 24 programs: 22 splits would reach 528; a power of two below
     assert splits_for(1, 1, 10 ** 6, 64) == 64  # at most 64
 
 
@@ -162,7 +164,7 @@ def test_metadata_chooses_splits():
     the KV heads and head size from the cache."""
     cpu, cache = torch.device("cpu"), torch.empty(1, 2, 16, 8, 128)
     build = triton_attention.build_triton_metadata
-    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 32
+    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 64
     assert build([1] * 64, [16384] * 64, [list(range(1024))] * 64, 16, cpu, 4, kv_cache=cache).num_splits == 1
     assert build([1], [300], [list(range(19))], 16, cpu, 4, kv_cache=cache).num_splits == 1
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4).num_splits == 1  # no cache: no shapes
@@ -175,7 +177,7 @@ def test_metadata_chooses_splits():
             torch.ones(bs, **i32), torch.zeros(bs, dtype=torch.long), torch.zeros(bs, **i32), 1, 4, 16, cache, False,
             {}).num_splits
 
-    assert (static(1, 1024), static(2, 1024), static(32, 1024), static(1, 8)) == (32, 16, 1, 1)
+    assert (static(1, 1024), static(2, 1024), static(32, 1024), static(66, 1024), static(1, 8)) == (64, 32, 2, 1, 1)
 
 
 @needs_cuda

@@ -20,6 +20,7 @@ except ImportError:  # CPU-only installs: the torch backend is used instead
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # each split walks at least this many BLOCK_N key blocks
+WAVES = 4  # programs per multiprocessor that keep enough loads in flight to stream the KV at full bandwidth
 
 
 if triton is not None:
@@ -60,16 +61,14 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
 
 
 def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: int = 132) -> int:
-    """Key splits per tile: 1 when the (tile, KV head) programs already fill the GPU's `sms` multiprocessors or
-    the context is short; else the smallest power of two that fills them, at most MAX_SPLITS and at most the
-    largest power of two that still gives each split MIN_BLOCKS_PER_SPLIT blocks of block_n keys of max_kv.
-    Powers of two only: each value is a kernel specialisation (compiled once), so few values may occur."""
-    programs = num_tiles * kv_heads
-    most = min(MAX_SPLITS, max_kv // (MIN_BLOCKS_PER_SPLIT * block_n))
-    if programs >= sms or most < 2:
-        return 1
-    splits = 1 << (-(-sms // programs) - 1).bit_length()  # smallest power of two with programs * splits >= sms
-    return min(splits, 1 << (most.bit_length() - 1))
+    """Key splits per tile: the largest power of two that keeps the (tile, KV head, split) programs within WAVES
+    per multiprocessor of the GPU's `sms` (1 when the tiles alone reach that), at most MAX_SPLITS and at most
+    the largest power of two that still gives each split MIN_BLOCKS_PER_SPLIT blocks of block_n keys of
+    max_kv. Powers of two only: each value is a kernel specialisation (compiled once), so few values
+    may occur. (H200, 8B shape: batch 16 at 16k keys takes 302 us a layer with 2 splits, 1 wave, and 252 with
+    4; batch 1 at 32k 50 us with 32 splits and 43 with 64: benchmarks/attention_kernel.py.)"""
+    fits = min(MAX_SPLITS, max_kv // (MIN_BLOCKS_PER_SPLIT * block_n), WAVES * sms // (num_tiles * kv_heads))
+    return 1 << (fits.bit_length() - 1) if fits >= 2 else 1
 
 
 @functools.lru_cache(maxsize=None)
