@@ -220,15 +220,33 @@ def test_steps_that_compute_prompt_tokens_decode_plain_under_the_adaptive_policy
 
 def test_an_unsampled_tree_is_priced_at_the_chain_of_its_depth():
     """A tree accepts at least what the chain of its depth does (its top-ranked spine is that chain): with
-    acceptance forgotten it is priced so, not at one token a step, and its own samples then take over."""
+    acceptance forgotten it is priced so, not at one token a step; its verifies then add their gain over
+    their spine (here 3 accepted where the spine gave 2: one more token a step)."""
     tree_shapes = candidate_shapes(steps=3, topk=2, num_nodes=6)
     c = Controller("adaptive", tree_shapes)
     c.pin_acceptance([0.8])
     tree, chain = tree_shapes[-1], tree_shapes[-2]
     assert c.expected_tokens(tree) == pytest.approx(c.expected_tokens(chain))
     for _ in range(500):
-        c.record_verify(tree, 3)
-    assert c.expected_tokens(tree) == pytest.approx(4.0, abs=0.15)
+        c.record_verify(tree, 3, (2, 3))
+    assert c.expected_tokens(tree) == pytest.approx(c.expected_tokens(chain) + 1, abs=0.01)
+
+
+def test_a_tree_is_learned_from_few_verifies_paired_with_its_spine():
+    """Each tree verify is a sample of the chain (its spine's drafts) and of the tree's gain over it: 8 verifies
+    in which the spine accepts its first draft and not the second, and the tree one more half the time, price
+    the chain at 2 tokens (position 1's rate pulled toward 0 by its prior) and the tree at 0.5 x 8 / (8 + 4)
+    more; the tree's own total would have moved 8 / (8 + 16) of the way from the chain's."""
+    tree_shapes = candidate_shapes(steps=3, topk=2, num_nodes=6)
+    c = Controller("adaptive", tree_shapes)
+    tree, chain = tree_shapes[-1], tree_shapes[-2]
+    for i in range(8):
+        c.record_verify(tree, 1 + i % 2, (1, 3))
+    rates = c.position_rates()
+    assert rates[0] == pytest.approx((8 + 0.5 * 16) / 24) and rates[1] == pytest.approx(rates[0] * 16 / 24)
+    assert c.expected_tokens(tree) - c.expected_tokens(chain) == pytest.approx(4 / 12)
+    c.record_verify(tree, 2)  # no spine given: nothing learned
+    assert c.expected_tokens(tree) - c.expected_tokens(chain) == pytest.approx(4 / 12)
 
 
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():

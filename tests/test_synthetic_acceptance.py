@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from specserve import SamplingParams
 from specserve.cli import add_engine_args, engine_options
@@ -19,7 +20,7 @@ TREE = (0.88, 0.70, 0.54, 0.43, 0.33)
 def test_draws_follow_the_rates():
     synthetic = SyntheticAcceptance((0.9, 0.5, 0.5, 0.1), seed=3)
     n = 20000
-    draws = [synthetic.draw() for _ in range(n)]
+    draws = [synthetic.draw()[0] for _ in range(n)]
     for i, rate in enumerate(synthetic.rates):
         assert abs(sum(d > i for d in draws) / n - rate) < 0.002
 
@@ -27,12 +28,40 @@ def test_draws_follow_the_rates():
 def test_chains_of_a_tree_configuration_draw_their_own_rates():
     synthetic = SyntheticAcceptance(TREE, seed=1, chain_rates=CHAIN + (0.46, 0.40))
     n = 20000
-    draws = [(tree, synthetic.draw(tree)) for tree in (i % 3 == 0 for i in range(3 * n))]  # interleaved
+    draws = [(tree, synthetic.draw(tree)[0]) for tree in (i % 3 == 0 for i in range(3 * n))]  # interleaved
     for tree, rates in ((True, TREE), (False, CHAIN + (0.46, 0.40))):
         got = [d for t, d in draws if t == tree]
         for i, rate in enumerate(rates):
             assert abs(sum(d > i for d in got) / len(got) - rate) < 0.01, (tree, i)
     assert SyntheticAcceptance(CHAIN).draw(False) == SyntheticAcceptance(CHAIN).draw(True)  # default: one set
+
+
+def test_a_tree_leaves_its_spine_where_a_chain_would_stop():
+    """A tree's draw accepts what the chain's same draw does along the spine, then goes on through a second
+    child: its path shares exactly the chain's count with the spine (DraftTree.spine, and on the device
+    tree.spine_counts), and its gain over the spine is the difference of the configured rates."""
+    from specserve.layers.triton_attention import tree_bitmask
+    from specserve.speculative.synthetic import spine_path
+    from specserve.speculative.tree import DraftTree, spine_counts
+
+    chain = CHAIN + (0.40, 0.30)  # at most the tree's rate at every position
+    synthetic = SyntheticAcceptance(TREE, seed=2, chain_rates=chain)
+    # a binary tree four levels deep in level order: node i's children are 2i + 1 and 2i + 2
+    tree = DraftTree(list(range(31)), [-1] + [(i - 1) // 2 for i in range(1, 31)])
+    parents = torch.tensor([tree.parents])
+    bits = tree_bitmask(tree.ancestor_mask())[None]
+    gains = []
+    for _ in range(400):
+        accepted, detour = synthetic.draw(True)
+        want = min(accepted, 4)
+        on_path, _ = spine_path(parents, torch.tensor([want]), torch.tensor([detour]))
+        path = on_path[0].nonzero().flatten().tolist()
+        shared, length = tree.spine(path)
+        assert (shared, length) == tuple(spine_counts(parents, bits, on_path)[0].tolist())
+        assert length == 4 and len(path) - 1 == want
+        assert shared == (min(detour, 4) if detour >= 0 else want)
+        gains.append(want - shared)
+    assert sum(gains) / len(gains) == pytest.approx(sum(TREE[:4]) - sum(chain[:4]), abs=0.02)
 
 
 def test_tree_children_rank_the_spine_first():

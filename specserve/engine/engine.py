@@ -316,19 +316,20 @@ class LLMEngine:
     def _loop_resolve(self, flight: LoopFlight) -> tuple[list[RequestOutput], list[Optional[int]]]:
         """Read a looped step's verdicts and apply them; per row, the drafts it accepted (None for a
         sequence that had finished before it)."""
-        outputs, accepted = [], []
-        for seq, (a, tokens) in zip(flight.seqs, flight.read()):
+        outputs, accepted, spines = [], [], []
+        for seq, (a, tokens, spine) in zip(flight.seqs, flight.read()):
             if seq.finished:  # finished in an earlier step of the run, or aborted: this row is dropped
                 accepted.append(None)
                 continue
             accepted.append(a)
+            spines.append(spine)
             seq.num_computed_tokens += a + 1
             self.stats.num_generation_tokens += seq.append_tokens(tokens)
             outputs.append(self._output(seq))
             if seq.finished:
                 self.flight_done.append(seq)
         if outputs:
-            self.spec.record_accepted(flight.shape, [a for a in accepted if a is not None])
+            self.spec.record_accepted(flight.shape, [a for a in accepted if a is not None], spines)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return outputs, accepted
 

@@ -1,35 +1,54 @@
 """What drafts are accepted at, learned from verifies, for the adaptive controller: per draft position of a
-chain, the rate it is accepted given the ones before it were; per tree, the tokens a verify gained. Pooled
-over batch sizes (acceptance does not depend on the batch), over the latest `window` verifies."""
+chain, the rate it is accepted given the ones before it were; per tree, the drafts it accepts beyond its
+spine. Pooled over batch sizes (acceptance does not depend on the batch), over the latest `window` verifies.
+
+A tree's spine (from the root, each node's first, top-ranked child) is the chain of the same drafter: a tree
+verify tells both what the tree accepted and what that chain would have (the accepted path's leading spine
+nodes). So each tree verify is a chain sample too, and a tree is rated as the chain of its depth plus its
+mean gain over its own spine: a paired difference, which a few verifies measure (a tree's total, compared
+with separately sampled chains, took dozens at one request a step).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 from .estimates import Pinned, Recent
 from .shapes import Shape
 
 
 class Acceptance:
-    def __init__(self, depth: int, window: int = 512, prior_samples: int = 16):
+    def __init__(self, depth: int, window: int = 512, prior_samples: int = 16, gain_prior_samples: int = 4):
         """depth: the most draft steps of any shape; prior_samples: the pseudo-samples that pull a position's
-        (or a tree's) few samples toward its prior."""
+        few samples toward its prior; gain_prior_samples: those that pull a tree's few gains toward none."""
         self.depth, self.window, self.prior_samples = depth, window, prior_samples
+        self.gain_prior_samples = gain_prior_samples
         self.forget()
 
     def forget(self) -> None:
         """Learn afresh (the drafter or the workload changed)."""
         self.positions = [Recent(self.window) for _ in range(self.depth)]
-        self.tree_tokens = Recent(self.window)
+        self.tree_gain = Recent(self.window)
 
     def pin(self, rates: list[float]) -> None:
         """Fix the per-position rates (the last repeats for deeper positions) and stop learning them: for
         benchmarks of random weights, which accept nothing, and for tests of the step-time side alone."""
         self.positions = [Pinned(rates[min(i, len(rates) - 1)]) for i in range(self.depth)]
 
-    def record(self, shape: Shape, num_accepted: int) -> None:
-        """One request's verify of a step of this shape accepted `num_accepted` drafts."""
+    def record(self, shape: Shape, num_accepted: int, spine: Optional[tuple[int, int]] = None) -> None:
+        """One request's verify of a step of this shape accepted `num_accepted` drafts. For a tree, spine:
+        (drafts of its spine accepted, the spine's length in the tree); without it a tree verify is not
+        learned from."""
         if shape.topk > 1:
-            self.tree_tokens.add(1.0 + num_accepted)
+            if spine is not None:
+                accepted, length = spine
+                self._record_chain(accepted, length)
+                self.tree_gain.add(float(num_accepted - accepted))
             return
-        for i in range(min(num_accepted + 1, shape.steps)):  # positions reached: accepted ones + the first rejected
+        self._record_chain(num_accepted, shape.steps)
+
+    def _record_chain(self, num_accepted: int, length: int) -> None:
+        """A chain of `length` drafts accepted its first num_accepted."""
+        for i in range(min(num_accepted + 1, length)):  # positions reached: accepted ones + the first rejected
             self.positions[i].add(1.0 if i < num_accepted else 0.0)
 
     def position_rates(self) -> list[float]:
@@ -46,15 +65,14 @@ class Acceptance:
         return rates
 
     def expected_tokens(self, shape: Shape) -> float:
-        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree's few
-        samples are pulled toward the chain of its depth by `prior_samples` pseudo-samples: its top-ranked
-        spine is that chain, so it accepts at least as much (without the prior an unsampled tree counted one
-        token a step and was never chosen once acceptance was forgotten)."""
+        """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree: the
+        chain of its depth, plus its mean gain over its spine pulled toward none by `gain_prior_samples`
+        (an unsampled tree is priced as that chain, never below it)."""
         if shape.steps == 0:
             return 1.0
         if shape.topk > 1:
-            n, prior = len(self.tree_tokens), self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
-            return (self.tree_tokens.total + prior * self.prior_samples) / (n + self.prior_samples)
+            chain = self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
+            return chain + self.tree_gain.total / (len(self.tree_gain) + self.gain_prior_samples)
         total, reach = 1.0, 1.0
         for rate in self.position_rates()[:shape.steps]:
             reach *= rate

@@ -417,6 +417,7 @@ class Controller:
                 for t, e in zip(seconds, emitted):
                     window.add(n, t - token_seconds * e)
 
-    def record_verify(self, shape: Shape, num_accepted: int) -> None:
+    def record_verify(self, shape: Shape, num_accepted: int, spine: Optional[tuple[int, int]] = None) -> None:
+        """One request's verify accepted num_accepted drafts; of a tree's spine, spine[0] of spine[1]."""
         self.changes += 1
-        self.acceptance.record(shape, num_accepted)
+        self.acceptance.record(shape, num_accepted, spine)

@@ -113,15 +113,17 @@ class SpecDecoder:
                                  [s.num_tokens for s in seqs], self.runner.generator)  # unseeded rows: the engine's
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
-        self.record_accepted(shape, [v.num_accepted for v in verdicts])
+        self.record_accepted(shape, [v.num_accepted for v in verdicts],
+                             [t.spine(v.path) for t, v in zip(trees, verdicts)])
         return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
 
-    def record_accepted(self, shape: Shape, accepted: list[int]) -> None:
-        """Drafts accepted per verified tree of one step, for the statistics and the controller."""
+    def record_accepted(self, shape: Shape, accepted: list[int], spines: list[tuple[int, int]]) -> None:
+        """Drafts accepted per verified tree of one step, and of each tree's spine (`DraftTree.spine`), for the
+        statistics and the controller."""
         if self.forced is None:
-            for a in accepted:
+            for a, spine in zip(accepted, spines):
                 self.stats.record(shape.k, a)
-                self.controller.record_verify(shape, a)
+                self.controller.record_verify(shape, a, spine)
 
     # ---- greedy speculation in the overlap pipeline (eagle3_loop.py) ----------------------------
     def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
@@ -145,7 +147,7 @@ class SpecDecoder:
         """The run's last step is read: hand the draft state back (see `SpecLoop.hand_back`)."""
         self.loop.hand_back(seqs, accepted)
 
-    def _draws(self, seqs: list[Sequence], shape: Shape) -> Optional[list[int]]:
+    def _draws(self, seqs: list[Sequence], shape: Shape) -> Optional[list[tuple[int, int]]]:
         return [self.synthetic.draw(shape.topk > 1) for _ in seqs] if self.synthetic is not None else None
 
     def _move_branches(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:

@@ -32,7 +32,7 @@ from .batch_verify import path_verdict, verify_batch, verify_greedy_chains
 from .eagle3_proposer import DraftState
 from .shapes import Shape
 from .synthetic import spine_path
-from .tree import device_trees
+from .tree import device_trees, spine_counts
 
 if TYPE_CHECKING:
     from .eagle3_proposer import Eagle3Proposer
@@ -46,13 +46,14 @@ class LoopFlight:
 
     seqs: list[Sequence]  # its rows, in order
     shape: Shape
-    host: torch.Tensor  # [rows, N + 1] pinned: accept length, then the output tokens (-1 past them)
+    host: torch.Tensor  # [rows, N + 3] pinned: accept length, spine accepted, spine length, the output tokens
     event: torch.cuda.Event  # recorded after the copy to `host`
 
-    def read(self) -> list[tuple[int, list[int]]]:
-        """Per row: drafts accepted, and the tokens the step emits (the accepted drafts, then the target's)."""
+    def read(self) -> list[tuple[int, list[int], tuple[int, int]]]:
+        """Per row: drafts accepted, the tokens the step emits (the accepted drafts, then the target's), and
+        (drafts of the tree's spine accepted, the spine's length) (`DraftTree.spine`)."""
         self.event.synchronize()
-        return [(r[0], r[1:r[0] + 2]) for r in self.host[:len(self.seqs)].tolist()]
+        return [(r[0], r[3:r[0] + 4], (r[1], r[2])) for r in self.host[:len(self.seqs)].tolist()]
 
 
 def plain_greedy(seq: Sequence) -> bool:
@@ -72,9 +73,10 @@ class SpecLoop:
         self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
         dev, max_bs = draft.ids.device, draft.live.shape[0]
         most = max((s.num_nodes for s in self.shapes), default=1)
-        self.want = torch.full((max_bs,), -1, dtype=torch.long, device=dev)  # [B] synthetic draws; -1: verify
-        self.result = torch.zeros(max_bs, most + 1, dtype=torch.long, device=dev)  # [B, N + 1] for the host
-        self.host = [torch.empty(max_bs, most + 1, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        # [2, B] synthetic draws: drafts to accept (-1: verify) and the depth of a tree's detour (-1: none)
+        self.want = torch.full((2, max_bs), -1, dtype=torch.long, device=dev)
+        self.result = torch.zeros(max_bs, most + 3, dtype=torch.long, device=dev)  # [B, N + 3] for the host
+        self.host = [torch.empty(max_bs, most + 3, dtype=torch.long, pin_memory=True) for _ in range(2)]
         self.events = [torch.cuda.Event() for _ in range(2)]
         self._flip = 0
         self._drawn = False  # the latest launch verified by synthetic draws
@@ -108,7 +110,12 @@ class SpecLoop:
             self._move_kv(bs, slot_pos, verdict.path)
         self._advance(bs, n, verdict, aux)
         self.result[:bs, 0].copy_(verdict.accept_len)
-        self.result[:bs, 1:n + 1].copy_(verdict.out_tokens)
+        if bits is None:  # a chain is its own spine
+            self.result[:bs, 1].copy_(verdict.accept_len)
+            self.result[:bs, 2].fill_(n - 1)
+        else:
+            self.result[:bs, 1:3].copy_(spine_counts(parents, bits, on_path))
+        self.result[:bs, 3:n + 3].copy_(verdict.out_tokens)
 
     def _draft(self, bs: int, shape: Shape):
         """The step's trees: tokens, parents (-1 at the root), depths [bs, n] and, for trees, each node's
@@ -141,8 +148,8 @@ class SpecLoop:
                                 argmax=argmax).path  # [bs, n] accepted nodes, then -1
             greedy = torch.zeros(bs, n + 1, dtype=torch.bool, device=tokens.device)
             greedy = greedy.scatter_(1, torch.where(path >= 0, path, n), True)[:, :n]
-        want = self.want[:bs]
-        on_path = torch.where((want >= 0)[:, None], spine_path(parents, want)[0], greedy)
+        want, detour = self.want[0, :bs], self.want[1, :bs]
+        on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], greedy)
         last = torch.where(on_path, nodes, 0).amax(1)  # [bs] a path's nodes increase
         return on_path, argmax.gather(1, last[:, None]).squeeze(1)
 
@@ -198,7 +205,7 @@ class SpecLoop:
         return shape in self.sizes and rows <= self.sizes[shape][-1]
 
     @torch.inference_mode()
-    def start(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
+    def start(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
         """The first step of a run: draft inputs from the sequences' draft state (each has one uncomputed
         token, its root). draws: synthetic acceptance's drafts to accept per row."""
         self.proposer.settle(seqs, self.draft.q)
@@ -207,7 +214,7 @@ class SpecLoop:
         return self._launch(seqs, shape, draws)
 
     @torch.inference_mode()
-    def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
+    def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
         """The next step of the same rows, of any shape the loop runs (the draft inputs do not depend on it),
         before flight's result is read (the engine has grown the block tables to hold the most flight can
         accept plus this step's slots)."""
@@ -219,10 +226,10 @@ class SpecLoop:
             self.tables_version = lengths
         return self._launch(seqs, shape, draws)
 
-    def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[int]]) -> LoopFlight:
+    def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
         bs = next(b for b in self.sizes[shape] if b >= len(seqs))
         if draws is not None:
-            self.want[:len(draws)].copy_(to_device(draws, torch.long, self.want.device))
+            self.want[:, :len(draws)].copy_(to_device(draws, torch.long, self.want.device).T)
         elif self._drawn:
             self.want.fill_(-1)
         self._drawn = draws is not None

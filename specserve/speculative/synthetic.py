@@ -14,8 +14,11 @@ exactly. u comes from a golden-ratio (Weyl) sequence with a seeded start, so the
 rates converge as O(log n / n) instead of O(1 / sqrt(n)): a short benchmark level sees the configured
 acceptance, not a lucky draw.
 
-Trees accept along their spine: from the root, each node's first child (level order keeps the draft's
-children best first). So that the spine is the tree a drafter of these rates would build, drafts rank
+Trees accept along their spine (from the root, each node's first child: level order keeps the draft's
+children best first) for as many drafts as a chain would with the same draw (chain_rates), then, where the
+tree's draw goes further, step to a node's second child and follow first children again: a tree gains over
+its spine through a side branch, as with a real drafter (the controller learns that gain,
+speculative/acceptance.py). So that the spine is the tree a drafter of these rates would build, drafts rank
 their children by synthetic scores (`child_scores`): the first child of a node at depth d has the
 conditional rate rates[d] / rates[d-1], the others share what is left. On random weights, whose draft
 distribution is nearly flat, the tree would otherwise be broad and two levels deep.
@@ -43,11 +46,16 @@ class SyntheticAcceptance:
         self._scores: dict = {}  # (rates, depth, k, device) -> child_scores, made once
         self.start = (seed * GOLDEN + 0.5) % 1.0
 
-    def draw(self, tree: bool = False) -> int:
-        """How many drafts the next verify of a tree (or a chain) accepts (before its own depth limits it)."""
+    def draw(self, tree: bool = False) -> tuple[int, int]:
+        """How many drafts the next verify of a tree (or a chain) accepts (before its own depth limits it),
+        and the depth at which a tree's path leaves its spine for a second child (-1: it does not)."""
         u = (self.start + self.draws * GOLDEN) % 1.0
         self.draws += 1
-        return sum(1 for r in (self.rates if tree else self.chain_rates) if u < r)
+        spine = sum(1 for r in self.chain_rates if u < r)
+        if not tree:
+            return spine, -1
+        accepted = sum(1 for r in self.rates if u < r)
+        return accepted, spine if accepted > spine else -1
 
     def child_scores(self, depth: int, k: int, device: torch.device) -> torch.Tensor:
         """[k] log-scores of a node's children ranked best first, for draft depth `depth` (1-based)."""
@@ -69,26 +77,37 @@ class SyntheticAcceptance:
         first draws of its spine; its last token is the target's (argmax, or a sample under params[b])."""
         from ..layers.sampler import Sampler
 
-        want = to_device([self.draw(not chains) for _ in range(tokens.shape[0])], torch.long, tokens.device)  # [B]
-        on_path, node = spine_path(parents, want)
+        # [2, B] drafts to accept, depth of the detour
+        want, detour = to_device([self.draw(not chains) for _ in range(tokens.shape[0])], torch.long, tokens.device).T
+        on_path, node = spine_path(parents, want, detour)
         b, dev = tokens.shape[0], tokens.device
         at = None if positions is None else to_device(positions, torch.long, dev) + on_path.sum(1) - 1  # [B]
         final = Sampler(default)(logits[torch.arange(b, device=dev), node], params, generators, at)  # [B]
         return path_verdict(tokens, on_path, final)
 
 
-def spine_path(parents: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of trees parents [B, N], the path that follows each node's first child for want[b] steps
-    (or until a leaf): on_path [B, N] bool and its last node [B]."""
+def spine_path(parents: torch.Tensor, want: torch.Tensor, detour: Optional[torch.Tensor] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of trees parents [B, N], the path that follows each node's first child for want[b] steps (or
+    until a leaf), taking the second child instead at step detour[b] where there is one (detour [B], -1:
+    never): on_path [B, N] bool and its last node [B]."""
     b, n = parents.shape
     dev = parents.device
     cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
+    child_of = torch.where(cols > 0, parents, n)  # [B, N] the root's slot: n
     first_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
-    first_child.scatter_reduce_(1, torch.where(cols > 0, parents, n), cols, "amin")
+    first_child.scatter_reduce_(1, child_of, cols, "amin")
+    second_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)
+    later = cols != first_child.gather(1, child_of)  # [B, N] not its parent's first child
+    second_child.scatter_reduce_(1, torch.where(later, child_of, n), cols, "amin")
+    second_child[:, n] = n
     node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]
     on_path = cols == 0  # [B, N]
     for depth in range(n - 1):
         nxt = first_child.gather(1, node[:, None]).squeeze(1)  # [B]
+        if detour is not None:
+            side = second_child.gather(1, node[:, None]).squeeze(1)
+            nxt = torch.where((detour == depth) & (side < n), side, nxt)
         step = (depth < want) & (nxt < n)
         node = torch.where(step, nxt, node)
         on_path = on_path | (step[:, None] & (cols == node[:, None]))

@@ -56,6 +56,19 @@ class DraftTree:
     def children(self, node: int) -> list[int]:
         return [i for i in range(node + 1, self.size) if self.parents[i] == node]
 
+    def spine(self, path: list[int]) -> tuple[int, int]:
+        """Of the spine (from the root, each node's first child: the drafter's top-ranked chain), the drafts
+        that the accepted path (node indices from the root) shares with it, and its length in drafts."""
+        first = {}
+        for i in range(self.size - 1, 0, -1):
+            first[self.parents[i]] = i
+        spine, node = [0], 0
+        while node in first:
+            node = first[node]
+            spine.append(node)
+        shared = next((i for i, (a, b) in enumerate(zip(spine, path)) if a != b), min(len(spine), len(path)))
+        return shared - 1, len(spine) - 1
+
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: node i may attend to node j iff j is i or an ancestor of i."""
         if self.mask is not None:
@@ -64,6 +77,22 @@ class DraftTree:
         for i in range(1, self.size):
             mask[i] |= mask[self.parents[i]]
         return mask
+
+
+def spine_counts(parents: torch.Tensor, bits: torch.Tensor, on_path: torch.Tensor) -> torch.Tensor:
+    """`DraftTree.spine` on the device without a walk over the depths: per row of trees parents [B, N] with
+    ancestor bitmasks bits [B, N] (bit j of node i: j is i or an ancestor of it) and accepted nodes on_path
+    [B, N], [B, 2] (spine drafts accepted, spine length). A node is on the spine when it and its ancestors
+    are each their parent's first child."""
+    b, n = parents.shape
+    cols = torch.arange(n, device=parents.device).expand(b, n)  # [B, N]
+    child_of = torch.where(cols > 0, parents, n)  # [B, N] the root's slot: n
+    first_child = torch.full((b, n + 1), n, dtype=torch.long, device=parents.device)
+    first_child.scatter_reduce_(1, child_of, cols, "amin")
+    later = (cols != first_child.gather(1, child_of)) & (cols > 0)  # [B, N] not its parent's first child
+    later_bits = (later.long() << cols).sum(1, keepdim=True)  # [B, 1] distinct bits: the sum is their OR
+    spine = (bits & later_bits) == 0  # [B, N]
+    return torch.stack([(spine & on_path).sum(1) - 1, spine.sum(1) - 1], 1)
 
 
 def device_chains(roots: torch.Tensor, drafts: torch.Tensor) -> list[DraftTree]:
