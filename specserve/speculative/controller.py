@@ -9,7 +9,9 @@ Policies:
 - threshold: plain decoding while more than `threshold` requests run, else the configured shape;
 - adaptive: the shape with the most expected tokens per second for the running batch. Expected tokens
   per request come from live acceptance (speculative/acceptance.py: per-position conditional rates for
-  chains, the mean for a tree, pooled over batch sizes: acceptance does not depend on the batch). Step times (drafting,
+  chains, learned from chain verifies and from the spines of tree verifies; a tree as the chain of its
+  depth plus its mean gain over its spine; pooled over batch sizes: acceptance does not depend on the
+  batch). Step times (drafting,
   catching up and verifying included) are measured at start-up for every shape at batch sizes 1, 2, 4,
   ... (`seed_costs`, speculative/calibration.py) and then refreshed from live steps, the latest `window`
   of each per (batch-size bucket, shape), read per batch size (`StepTimes`; a median shrugs off noise).
