@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import copy_checked
+from .linear import copy_checked, linear
 from .parallel import WHOLE, building, current
 
 
@@ -53,6 +53,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the full vocabulary (each rank computes its slice, then gather)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., :self.vocab_size]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import triton_moe
-from .linear import ReplicatedLinear, ShapeMismatch, copy_checked
+from .linear import ReplicatedLinear, ShapeMismatch, copy_checked, linear
 from .parallel import current
 from .triton_ops import use_triton
 
@@ -96,7 +96,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     start = 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = F.linear(x[start:end], w[e])
+            out[start:end] = linear(x[start:end], w[e])
         start = end
     return out
 
