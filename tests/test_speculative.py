@@ -55,6 +55,10 @@ def test_greedy_lossless(pair, plain_outputs, spec, engine):
     assert stats.num_accepted_tokens > 0, "the random draft should hit sometimes: acceptance paths untested"
     if engine == "chunked_preempt":
         assert llm.engine.scheduler.num_preemptions > 0
+    learned = llm.engine.spec.controller.acceptance
+    if spec["speculative_eagle_topk"] > 1:  # every tree verify taught the chain's positions and the tree's gain
+        assert len(learned.tree_gain) == min(learned.window, stats.num_drafts)
+        assert len(learned.positions[0]) == min(learned.window, stats.num_drafts)
     if DEVICE["name"] == "cuda" and engine == "default":
         assert llm.engine.spec.loop.launches > 0, "greedy speculative steps should run in the overlap pipeline"
     assert_pool_full(llm)
