@@ -141,8 +141,8 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def launch_options(head_dim: int, num_splits: int) -> dict:
-    """BLOCK_N and the launch settings of `_paged_attention`."""
+def launch_options(head_dim: int) -> dict:
+    """BLOCK_N and the launch settings of `_paged_attention` (benchmarks/attention_kernel.py tries others)."""
     return {"BLOCK_N": block_n_for(head_dim), "num_warps": 4}
 
 
@@ -199,7 +199,7 @@ class TritonMetadata:
             self.block_tables.stride(0), scale,
             GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim,
             BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page, IEEE=q.dtype == torch.float32,
-            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim, splits))
+            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 
