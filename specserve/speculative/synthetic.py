@@ -32,6 +32,7 @@ import torch
 
 from ..device import to_device
 from .batch_verify import BatchVerdict, path_verdict
+from .tree import first_children
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -93,12 +94,8 @@ def spine_path(parents: torch.Tensor, want: torch.Tensor, detour: Optional[torch
     never): on_path [B, N] bool and its last node [B]."""
     b, n = parents.shape
     dev = parents.device
-    cols = torch.arange(n, device=dev).expand(b, n)  # [B, N]
-    child_of = torch.where(cols > 0, parents, n)  # [B, N] the root's slot: n
-    first_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
-    first_child.scatter_reduce_(1, child_of, cols, "amin")
-    second_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)
-    later = cols != first_child.gather(1, child_of)  # [B, N] not its parent's first child
+    cols, child_of, first_child, later = first_children(parents)  # [B, N], [B, N], [B, N + 1], [B, N]
+    second_child = torch.full((b, n + 1), n, dtype=torch.long, device=dev)  # [B, N + 1] n = none
     second_child.scatter_reduce_(1, torch.where(later, child_of, n), cols, "amin")
     second_child[:, n] = n
     node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]

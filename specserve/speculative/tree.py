@@ -79,17 +79,25 @@ class DraftTree:
         return mask
 
 
+def first_children(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of trees parents [B, N] (-1 at the root): node indices cols [B, N], each node's parent slot
+    child_of [B, N] (the root's: N), each node's first child first_child [B, N + 1] (N: none; slot N unused)
+    and `later` [B, N]: the nodes that are not their parent's first child (the root excluded)."""
+    b, n = parents.shape
+    cols = torch.arange(n, device=parents.device).expand(b, n)
+    child_of = torch.where(cols > 0, parents, n)
+    first_child = torch.full((b, n + 1), n, dtype=torch.long, device=parents.device)
+    first_child.scatter_reduce_(1, child_of, cols, "amin")
+    later = (cols != first_child.gather(1, child_of)) & (cols > 0)
+    return cols, child_of, first_child, later
+
+
 def spine_counts(parents: torch.Tensor, bits: torch.Tensor, on_path: torch.Tensor) -> torch.Tensor:
     """`DraftTree.spine` on the device without a walk over the depths: per row of trees parents [B, N] with
     ancestor bitmasks bits [B, N] (bit j of node i: j is i or an ancestor of it) and accepted nodes on_path
     [B, N], [B, 2] (spine drafts accepted, spine length). A node is on the spine when it and its ancestors
     are each their parent's first child."""
-    b, n = parents.shape
-    cols = torch.arange(n, device=parents.device).expand(b, n)  # [B, N]
-    child_of = torch.where(cols > 0, parents, n)  # [B, N] the root's slot: n
-    first_child = torch.full((b, n + 1), n, dtype=torch.long, device=parents.device)
-    first_child.scatter_reduce_(1, child_of, cols, "amin")
-    later = (cols != first_child.gather(1, child_of)) & (cols > 0)  # [B, N] not its parent's first child
+    cols, _, _, later = first_children(parents)
     later_bits = (later.long() << cols).sum(1, keepdim=True)  # [B, 1] distinct bits: the sum is their OR
     spine = (bits & later_bits) == 0  # [B, N]
     return torch.stack([(spine & on_path).sum(1) - 1, spine.sum(1) - 1], 1)
