@@ -249,6 +249,45 @@ def test_a_tree_is_learned_from_few_verifies_paired_with_its_spine():
     assert c.expected_tokens(tree) - c.expected_tokens(chain) == pytest.approx(4 / 12)
 
 
+def test_a_trees_gain_hope_is_pulled_toward_its_depth():
+    """Worked example (4 pseudo-samples): unsampled, the tree's depth (3); after gains 0 and 1, (0 + 1 + 4 x 3)
+    / (2 + 4), where the estimate is (0 + 1) / (2 + 4)."""
+    tree_shapes = candidate_shapes(steps=3, topk=2, num_nodes=6)
+    c = Controller("adaptive", tree_shapes)
+    tree, chain = tree_shapes[-1], tree_shapes[-2]
+    assert c.acceptance.gain_hope(tree) == 3.0
+    c.record_verify(tree, 2, (2, 3))
+    c.record_verify(tree, 2, (1, 3))
+    assert c.acceptance.gain_hope(tree) == pytest.approx(13 / 6)
+    assert c.acceptance.expected_tokens(tree, hope=True) == pytest.approx(c.expected_tokens(chain) + 13 / 6)
+    assert c.expected_tokens(tree) == pytest.approx(c.expected_tokens(chain) + 1 / 6)
+
+
+def test_a_tree_unlucky_in_its_first_verifies_is_tried_again():
+    """The tree always accepts its full depth, a mean gain of 1.05 over its spine (each position 0.8), and wins
+    by 17%; but its first three verifies gained nothing, which prices it below chain 2. Probing the
+    runner-up by what the tree's gain could still be samples it again, and it is chosen within 400 steps
+    (rated by its estimate alone, it waited for its turn as the oldest estimate)."""
+    tree_shapes = candidate_shapes(steps=3, topk=2, num_nodes=6)
+    tree = tree_shapes[-1]
+    cost = lambda s: 0.015 if s.topk > 1 else 0.010 * (1 + 0.1 * s.k)  # noqa: E731
+    c = Controller("adaptive", tree_shapes)
+    c.seed_costs({(n, s): [cost(s)] * 4 for n in (1, 2, 4) for s in tree_shapes})
+    for _ in range(3):
+        c.record_verify(tree, 2, (2, 3))
+    rng, chosen = random.Random(0), []
+    for _ in range(400):
+        shape = c.choose(1)
+        chosen.append(shape)
+        c.record_step(1, shape, cost(shape), typical=True)
+        if shape.steps:
+            spine = 0
+            while spine < shape.steps and rng.random() < 0.8:
+                spine += 1
+            c.record_verify(shape, shape.steps if shape.topk > 1 else spine, (spine, shape.steps))
+    assert settled(chosen) == tree, "".join(str(s.k) for s in chosen)
+
+
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():
     """Start-up measures batch sizes 1, 2, 4, ..., 128; a batch of 100 (bucket 65..128) is priced on the
     line through 64 and 128, not as 128 (which made plain look dearer at 100 than it is, and a chain timed

@@ -46,6 +46,14 @@ class Acceptance:
             return
         self._record_chain(num_accepted, shape.steps)
 
+    def gain_hope(self, shape: Shape) -> float:
+        """What a tree's mean gain over its spine could still be: its gains with `gain_prior_samples`
+        pseudo-samples at the tree's depth (no tree gains more), where the estimate's pull toward none;
+        the truth lies between the two, which meet as verifies come. A tree whose first few verifies
+        gained nothing is so still worth a try where a fair gain would make it win."""
+        return (self.tree_gain.total + self.gain_prior_samples * shape.steps) / (
+            len(self.tree_gain) + self.gain_prior_samples)
+
     def _record_chain(self, num_accepted: int, length: int) -> None:
         """A chain of `length` drafts accepted its first num_accepted."""
         for i in range(min(num_accepted + 1, length)):  # positions reached: accepted ones + the first rejected
@@ -64,14 +72,17 @@ class Acceptance:
             prior = rate
         return rates
 
-    def expected_tokens(self, shape: Shape) -> float:
+    def expected_tokens(self, shape: Shape, hope: bool = False) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree: the
         chain of its depth, plus its mean gain over its spine pulled toward none by `gain_prior_samples`
-        (an unsampled tree is priced as that chain, never below it)."""
+        (an unsampled tree is priced as that chain, never below it). hope: a tree's gain at its upper
+        bound instead (`gain_hope`), for choosing what to explore."""
         if shape.steps == 0:
             return 1.0
         if shape.topk > 1:
             chain = self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
+            if hope:
+                return chain + self.gain_hope(shape)
             return chain + self.tree_gain.total / (len(self.tree_gain) + self.gain_prior_samples)
         total, reach = 1.0, 1.0
         for rate in self.position_rates()[:shape.steps]:

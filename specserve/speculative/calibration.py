@@ -154,7 +154,12 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
 
         def first_arrival(n: int) -> float:
             """One plain arrival window at the first size: what a prompt token costs (the window over as many
-            plain steps), and the guess of this size's prompt pass (as many windows, settling included)."""
+            plain steps), and the guess of this size's prompt pass (as many windows, settling included). An
+            untimed arrival of each kind goes first: the first prefill of a length compiles kernels (Triton's
+            JIT took ~0.7 s on the H200), which would price every prompt token at a millisecond."""
+            dummies.grow(n, prompt_need)
+            for shape in (PLAIN, *drafts):
+                _arrival(engine, dummies.rng, arriving[n], most_nodes, shape, shape)
             dummies.grow(n, prompt_need)
             once = _arrival(engine, dummies.rng, arriving[n], most_nodes, PLAIN, PLAIN)
             plain = WINDOW * statistics.median(result.times[(n, PLAIN)])

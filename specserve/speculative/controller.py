@@ -200,12 +200,15 @@ class Controller:
                           "exploration_share": explored.get(b, 0) / decided[b],
                           "exploration_loss_share": lost.get(b, 0.0) / served[b] if served.get(b) else 0.0,
                           "predicted_goodput": {s.label: round(v, 1) for s, v in dict(predicted.get(b, {})).items()}}
+        gain = self.acceptance.tree_gain
         return {"policy": self.policy, "acceptance_per_position": [round(r, 4) for r in self.position_rates()],
+                "tree_gain": {"mean": round(gain.total / len(gain), 4) if len(gain) else None, "samples": len(gain)},
                 "exploration_budget": self.exploration_budget, "calibration": self.calibration, "buckets": buckets}
 
     def _maybe_probe(self, b: int, best: Shape, batch_size: int) -> Shape:
         """Now and then, instead of the best shape, another: in turn the runner-up (so that a near-tie
-        judged on noisy times is settled) and the one whose time estimate is oldest (so that no estimate
+        judged on noisy times is settled; a tree rated by what its gain could still be, `gain_hope`, so a
+        few unlucky verifies do not rule it out) and the one whose time estimate is oldest (so that no estimate
         stays stale: one taken in an odd step would otherwise hold for good); acceptance is sampled
         while plain decoding runs. A probe waits at least `probe_every` steps and until the
         bucket's exploration credit (see `record_step`) covers its price: what the last probe lost, or
@@ -214,7 +217,7 @@ class Controller:
             return best
         others = [s for s in self.shapes if s != best] or [best]
         if self.probes.get(b, 0) % 2 and all(self._priced(b, s) for s in others):  # the runner-up: a near-tie settles
-            shape = max(others, key=lambda s: self.goodput(b, s, batch_size))
+            shape = max(others, key=lambda s: self.goodput(b, s, batch_size, hope=True))
         else:  # the oldest estimate: none stays stale
             shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
         per_step = self._loss(b, shape, best, batch_size, self.seconds(b, shape, batch_size)) \
@@ -252,8 +255,10 @@ class Controller:
     def position_rates(self) -> list[float]:
         return self.acceptance.position_rates()
 
-    def goodput(self, b: int, shape: Shape, batch_size: int) -> float:
-        return batch_size * self.expected_tokens(shape) / max(self.seconds(b, shape, batch_size), 1e-9)
+    def goodput(self, b: int, shape: Shape, batch_size: int, hope: bool = False) -> float:
+        """Tokens/s predicted for a step of this shape; hope: with a tree's gain at its upper bound."""
+        tokens = self.acceptance.expected_tokens(shape, hope)
+        return batch_size * tokens / max(self.seconds(b, shape, batch_size), 1e-9)
 
     def seconds(self, b: int, shape: Shape, batch_size: int) -> float:
         """A step of this shape at this batch size, at the machine's current speed."""

@@ -113,13 +113,14 @@ class SpecDecoder:
                                  [s.num_tokens for s in seqs], self.runner.generator)  # unseeded rows: the engine's
         if not chains:  # a chain's accepted nodes are already in place
             self._move_branches(seqs, verdicts)
-        spines = [None] * len(trees) if chains else [t.spine(v.path) for t, v in zip(trees, verdicts)]
+        spines = [(v.num_accepted, t.size - 1) if chains else t.spine(v.path)  # a chain is its own spine
+                  for t, v in zip(trees, verdicts)]
         self.record_accepted(shape, [v.num_accepted for v in verdicts], spines)
         return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
 
     def record_accepted(self, shape: Shape, accepted: list[int], spines: list[Optional[tuple[int, int]]]) -> None:
-        """Drafts accepted per verified tree of one step, and of each tree's spine (`DraftTree.spine`; None for
-        a chain), for the statistics and the controller."""
+        """Drafts accepted per verified tree of one step, and of each tree's spine (`DraftTree.spine`; a
+        chain is its own spine), for the statistics and the controller."""
         if self.forced is None:
             for a, spine in zip(accepted, spines):
                 self.stats.record(shape.k, a)
