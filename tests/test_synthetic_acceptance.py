@@ -64,6 +64,22 @@ def test_a_tree_leaves_its_spine_where_a_chain_would_stop():
     assert sum(gains) / len(gains) == pytest.approx(sum(TREE[:4]) - sum(chain[:4]), abs=0.02)
 
 
+def test_a_detour_without_a_side_branch_ends_the_path():
+    """A tree gains over its spine only through a side branch it has: a chain-shaped spine of 3 with one
+    side child under the root. A detour at depth 0 takes it (and stops at its leaf); a detour at depth 1,
+    where the spine node has no second child, ends the path there (the spine's draw, 1 draft), not on
+    down the spine to the tree's draw."""
+    from specserve.speculative.synthetic import spine_path
+
+    parents = torch.tensor([[-1, 0, 0, 1, 3]])  # root; 1 (spine) and 2 (side) under it; 3 under 1; 4 under 3
+    on_path, node = spine_path(parents, torch.tensor([3]), torch.tensor([0]))
+    assert on_path[0].nonzero().flatten().tolist() == [0, 2] and node.item() == 2
+    on_path, node = spine_path(parents, torch.tensor([3]), torch.tensor([1]))
+    assert on_path[0].nonzero().flatten().tolist() == [0, 1] and node.item() == 1
+    on_path, node = spine_path(parents, torch.tensor([3]), torch.tensor([-1]))
+    assert on_path[0].nonzero().flatten().tolist() == [0, 1, 3, 4]
+
+
 def test_tree_children_rank_the_spine_first():
     scores = SyntheticAcceptance(TREE).child_scores(2, 4, "cpu")  # conditional 0.70 / 0.88 at depth 2
     assert scores.argmax() == 0 and abs(scores[0].exp() - 0.70 / 0.88) < 1e-6

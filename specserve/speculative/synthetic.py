@@ -16,11 +16,12 @@ acceptance, not a lucky draw.
 
 Trees accept along their spine (from the root, each node's first child: level order keeps the draft's
 children best first) for as many drafts as a chain would with the same draw (chain_rates), then, where the
-tree's draw goes further, step to a node's second child and follow first children again: a tree gains over
-its spine through a side branch, as with a real drafter (the controller learns that gain,
-speculative/acceptance.py). So that the spine is the tree a drafter of these rates would build, drafts rank
-their children by synthetic scores (`child_scores`): the first child of a node at depth d has the
-conditional rate rates[d] / rates[d-1], the others share what is left. On random weights, whose draft
+tree's draw goes further, step to the node's second child and follow first children again, or stop where
+the node has no second child: a tree gains over its spine only through a side branch it has, as with a
+real drafter (the controller learns that gain, speculative/acceptance.py); the configured tree rates are
+what a tree branching at every depth would accept. So that the spine is the tree a drafter of these rates
+would build, drafts rank their children by synthetic scores (`child_scores`): the first child of a node at
+depth d has the conditional rate rates[d] / rates[d-1], the others share what is left. On random weights, whose draft
 distribution is nearly flat, the tree would otherwise be broad and two levels deep.
 """
 from __future__ import annotations
@@ -90,8 +91,9 @@ class SyntheticAcceptance:
 def spine_path(parents: torch.Tensor, want: torch.Tensor, detour: Optional[torch.Tensor] = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of trees parents [B, N], the path that follows each node's first child for want[b] steps (or
-    until a leaf), taking the second child instead at step detour[b] where there is one (detour [B], -1:
-    never): on_path [B, N] bool and its last node [B]."""
+    until a leaf), taking the second child instead at step detour[b] (detour [B], -1: never), and ending
+    there where the node has none (a tree gains over its spine only through a side branch it has):
+    on_path [B, N] bool and its last node [B]."""
     b, n = parents.shape
     dev = parents.device
     cols, child_of, first_child, later = first_children(parents)  # [B, N], [B, N], [B, N + 1], [B, N]
@@ -100,12 +102,14 @@ def spine_path(parents: torch.Tensor, want: torch.Tensor, detour: Optional[torch
     second_child[:, n] = n
     node = torch.zeros(b, dtype=torch.long, device=dev)  # [B]
     on_path = cols == 0  # [B, N]
+    going = torch.ones(b, dtype=torch.bool, device=dev)  # [B] not ended at a missing side branch
     for depth in range(n - 1):
         nxt = first_child.gather(1, node[:, None]).squeeze(1)  # [B]
         if detour is not None:
             side = second_child.gather(1, node[:, None]).squeeze(1)
-            nxt = torch.where((detour == depth) & (side < n), side, nxt)
-        step = (depth < want) & (nxt < n)
+            going = going & ((detour != depth) | (side < n))
+            nxt = torch.where(detour == depth, side, nxt)
+        step = going & (depth < want) & (nxt < n)
         node = torch.where(step, nxt, node)
         on_path = on_path | (step[:, None] & (cols == node[:, None]))
     return on_path, node
