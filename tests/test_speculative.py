@@ -209,7 +209,8 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     extra = spec.calibration.prompt_extra  # a draft's step with a prompt over plain's, below max_num_seqs (8)
     drafts = [s for s in spec.shapes if s.steps]
     assert set(extra) == {(n, s) for n in (1, 2, 4) for s in drafts} and all(len(v) == 3 for v in extra.values())
-    assert all((bucket(n), s) in spec.controller.prompt_extra for n, s in extra)
+    assert all(spec.controller.prompt_extra(s, n) is not None for n, s in extra)
+    assert spec.controller.prompt_extra(drafts[0], 9) is None  # beyond twice the largest size measured
     explained = spec.controller.explain()["calibration"]
     assert explained["seconds"] > 0 and set(explained["step_ms"]) == {1, 2, 4, 8}
     assert set(explained["prompt_extra_ms"]) == {1, 2, 4}

@@ -23,7 +23,8 @@ Policies:
   A step that also computes prompt tokens runs eagerly and synchronously beside the prefill, outside the
   overlapped loop, and its verify tokens add compute to a step the prompt made compute-bound: its
   price is not a decode-only step's. Start-up measures what a draft shape's step with a prompt costs
-  over a plain one (`prompt_extra`), and such a step keeps the bucket's choice only when the tokens
+  over a plain one (`prompt_extra`: a robust line per draft family in the verify tokens it adds, as
+  one sample is noisy), and such a step keeps the bucket's choice only when the tokens
   speculation adds there cost less than the bucket's decode-only steps pay per token (they would make
   those tokens later); else it decodes plain (as SGLang speculates only in decode batches). Where
   prompts fill the step's token budget, its verify tokens also push prompt tokens to later steps,
@@ -43,11 +44,10 @@ Policies:
 """
 from __future__ import annotations
 
-import statistics
 from typing import Callable, Optional
 
 from .acceptance import Acceptance
-from .estimates import Recent, StepTimes
+from .estimates import Recent, StepTimes, robust_line
 from .shapes import PLAIN, Shape, bucket
 
 
@@ -93,8 +93,10 @@ class Controller:
         self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
-        # per (bucket, draft shape): seconds its step with a prompt costs over a plain one (start-up, index 1)
-        self.prompt_extra: dict[tuple[int, Shape], float] = {}
+        # per draft family (topk): (seconds, per verify token added) that a step with a prompt costs over a
+        # plain one (start-up, speed index 1), up to batch size `prompt_batch`; see `prompt_extra`
+        self.prompt_lines: dict[int, tuple[float, float]] = {}
+        self.prompt_batch = 0
         self.beside: dict[int, Shape] = {}  # per bucket: the shape of its latest step with a prompt
         self.token_budget = token_budget
         self.prompt_token_seconds = 0.0  # what a prompt token costs to compute (start-up)
@@ -127,16 +129,28 @@ class Controller:
         the step's token budget, at what a prompt token costs (they are computed in a later step)."""
         best = self.current.get(b)
         self.beside[b] = PLAIN
-        if best is None or best == PLAIN or (b, best) not in self.prompt_extra or not self._priced(b, best):
+        extra = None if best is None or best == PLAIN else self.prompt_extra(best, batch_size)
+        if extra is None or not self._priced(b, best):
             return PLAIN
         per_token = self.seconds(b, best, batch_size) / (batch_size * self.expected_tokens(best))
         verify = batch_size * (best.num_nodes - 1)  # tokens over plain decoding's one per request
         displaced = max(0, min(verify, pending + verify - (self.token_budget - batch_size)))
-        added = self.speed(b) * (self.prompt_extra[(b, best)] + displaced * self.prompt_token_seconds)
+        added = self.speed(b) * (extra + displaced * self.prompt_token_seconds)
         gained = batch_size * (self.expected_tokens(best) - 1.0)
         if added * (1 + 2 * self.hysteresis) < gained * per_token:
             self.beside[b] = best
         return self.beside[b]
+
+    def prompt_extra(self, shape: Shape, batch_size: int) -> Optional[float]:
+        """Seconds (speed index 1) a step of this draft shape with a prompt costs over a plain one, on the
+        robust line start-up's samples of its family gave in the verify tokens it adds (batch size x draft
+        tokens); None beyond the batch sizes measured. One sample is the difference of two windows of
+        steps (tens of ms around a prefill): per shape and size it scattered by +-3 ms on the H200, and
+        the median of three flipped steps with a prompt to plain at C = 5-10 (0.86x the shapes' own)."""
+        line = self.prompt_lines.get(shape.topk)
+        if line is None or batch_size > self.prompt_batch:
+            return None
+        return line[0] + line[1] * batch_size * (shape.num_nodes - 1)
 
     def _adaptive(self, b: int, batch_size: int) -> Shape:
         self.steps_taken += 1
@@ -203,6 +217,8 @@ class Controller:
         gain = self.acceptance.tree_gain
         return {"policy": self.policy, "acceptance_per_position": [round(r, 4) for r in self.position_rates()],
                 "tree_gain": {"mean": round(gain.total / len(gain), 4) if len(gain) else None, "samples": len(gain)},
+                "prompt_extra": {f"topk-{k}": {"ms": round(a * 1e3, 3), "us_per_verify_token": round(m * 1e6, 3)}
+                                 for k, (a, m) in self.prompt_lines.items()},
                 "exploration_budget": self.exploration_budget, "calibration": self.calibration, "buckets": buckets}
 
     def _maybe_probe(self, b: int, best: Shape, batch_size: int) -> Shape:
@@ -403,18 +419,18 @@ class Controller:
         seconds of a few steps and the tokens each emitted, and the host seconds per emitted token. They
         stand as each shape's estimate in the batch size's bucket until live steps (of the chosen shape)
         or probes (of the others) replace them. `prompt_extra`: per (batch size, draft shape), the seconds
-        its step with a prompt cost over a plain one (the median stands for the bucket; kept, not
-        refreshed: steps with a prompt are not timed live); `prompt_token_seconds`: what a prompt token cost
-        to compute. `summary` is shown by `explain`."""
+        its step with a prompt cost over a plain one (read through a line per draft family, `prompt_extra`,
+        up to twice the largest batch size measured; kept, not refreshed: steps with a prompt are not timed
+        live); `prompt_token_seconds`: what a prompt token cost to compute. `summary` is shown by `explain`."""
         self.calibration = summary
         self.token_seconds = token_seconds
         self.prompt_token_seconds = prompt_token_seconds
         self.changes += 1
-        pooled: dict[tuple[int, Shape], list[float]] = {}
+        families: dict[int, list[tuple[float, float]]] = {}  # per topk: (verify tokens added, seconds)
         for (n, shape), seconds in (prompt_extra or {}).items():
-            for b in {bucket(n), bucket(n + 1)}:
-                pooled.setdefault((b, shape), []).extend(seconds)
-        self.prompt_extra.update({key: statistics.median(v) for key, v in pooled.items()})
+            families.setdefault(shape.topk, []).extend((n * (shape.num_nodes - 1), t) for t in seconds)
+            self.prompt_batch = max(self.prompt_batch, 2 * n)
+        self.prompt_lines.update({topk: robust_line(points) for topk, points in families.items()})
         for (n, shape), seconds in times.items():
             emitted = (tokens or {}).get((n, shape)) or [n] * len(seconds)
             # a bucket's own batch size, and the lower edge of the next one (64 for 65..128): plain's line
