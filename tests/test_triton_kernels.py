@@ -291,6 +291,31 @@ def test_rope_and_cache_write(dtype):
     assert cache[:, untouched].isnan().all(), "wrote outside the given slots"
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_rope_and_cache_norms_q_and_k_per_head(dtype):
+    """Qwen3's q/k norm fused in: each head of q and k RMS-normed (RMSNorm's roundings), then rotated, as
+    RMSNorm on [T, heads, D] then rotary do (4 heads of 64, 2 kv heads; q and k scaled off unit size)."""
+    from specserve.layers import triton_ops
+    from specserve.layers.norm import RMSNorm
+    from specserve.layers.rotary import RotaryEmbedding
+
+    dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 1e-2)
+    rot = RotaryEmbedding(64, 512, 1000000.0, None).to(dev)
+    qkv = 3 * torch.randn(5, (4 + 2 + 2) * 64, dtype=dtype, device=dev)
+    q, k, v = qkv[:, :256].view(5, 4, 64), qkv[:, 256:384].view(5, 2, 64), qkv[:, 384:].view(5, 2, 64)
+    norms = [RMSNorm(64, 1e-6).to(dev, dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.normal_()
+    pos, slots = torch.randint(0, 512, (5,), device=dev), torch.randperm(16, device=dev)[:5]
+    want_q, want_k = rot(pos, norms[0]._norm(q), norms[1]._norm(k))
+    cache = torch.full((2, 16, 2, 64), float("nan"), dtype=dtype, device=dev)
+    triton_ops.rope_and_cache(q, k, v, pos, rot.cos, rot.sin, cache, slots, (norms[0].weight, norms[1].weight, 1e-6))
+    assert (q.float() - want_q.float()).norm() / want_q.float().norm() < tol
+    assert (cache[0, slots].float() - want_k.float()).norm() / want_k.float().norm() < tol
+    assert torch.equal(cache[1, slots], v)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embed_norm_pair_is_two_norms_side_by_side(dtype):

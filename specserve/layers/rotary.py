@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [n]; q [n, heads, head_dim]; k [n, kv_heads, head_dim]
-        if triton_ops.rotary_fits(q):  # in place, one launch each
+        if triton_ops.rotary_fits(q, q.shape[-1]):  # in place, one launch each
             return (triton_ops.rotary_(q, positions, self.cos, self.sin),
                     triton_ops.rotary_(k, positions, self.cos, self.sin))
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)

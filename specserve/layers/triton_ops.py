@@ -68,9 +68,21 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _rope_and_cache(Q, K, V, KC, VC, Cos, Sin, Pos, Slots, stride_qt, stride_qh, stride_kt, stride_kh,
-                        stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr):
+    def _normed(a, b, W, eps, HALF: tl.constexpr, dtype: tl.constexpr):
+        """RMSNorm of each row of heads split in halves a, b [heads, HALF] (fp32), as RMSNorm rounds it:
+        the normalised value to the model dtype, times the weight, rounded again; back in fp32."""
+        d = tl.arange(0, HALF)[None, :]
+        inv = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1))[:, None] / (2 * HALF) + eps)
+        wa = tl.load(W + d).to(tl.float32)
+        wb = tl.load(W + HALF + d).to(tl.float32)
+        a = ((a * inv).to(dtype).to(tl.float32) * wa).to(dtype).to(tl.float32)
+        b = ((b * inv).to(dtype).to(tl.float32) * wb).to(dtype).to(tl.float32)
+        return a, b
+
+    @triton.jit
+    def _rope_and_cache(Q, K, V, KC, VC, Cos, Sin, Pos, Slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
+                        stride_kh, stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr):
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + tok)
         slot = tl.load(Slots + tok)
@@ -82,6 +94,8 @@ if triton is not None:
         qb = Q + tok * stride_qt + h * stride_qh
         a = tl.load(qb + d, mask=qmask, other=0.0).to(tl.float32)
         b = tl.load(qb + HALF + d, mask=qmask, other=0.0).to(tl.float32)
+        if NORM:
+            a, b = _normed(a, b, QW, eps, HALF, Q.dtype.element_ty)
         tl.store(qb + d, (a * cos - b * sin).to(Q.dtype.element_ty), mask=qmask)
         tl.store(qb + HALF + d, (b * cos + a * sin).to(Q.dtype.element_ty), mask=qmask)
         kh = tl.arange(0, BLOCK_KH)[:, None]
@@ -89,6 +103,8 @@ if triton is not None:
         kb = K + tok * stride_kt + kh * stride_kh
         a = tl.load(kb + d, mask=kmask, other=0.0).to(tl.float32)
         b = tl.load(kb + HALF + d, mask=kmask, other=0.0).to(tl.float32)
+        if NORM:
+            a, b = _normed(a, b, KW, eps, HALF, K.dtype.element_ty)
         cb = KC + slot * stride_ct + kh * stride_ch
         tl.store(cb + d, (a * cos - b * sin).to(KC.dtype.element_ty), mask=kmask)
         tl.store(cb + HALF + d, (b * cos + a * sin).to(KC.dtype.element_ty), mask=kmask)
@@ -210,23 +226,27 @@ def keep_features(aux: torch.Tensor, features: torch.Tensor, block_features: tor
         tables.shape[1] - 1, dim, BLOCK=block, num_warps=4)
 
 
-def rotary_fits(q: torch.Tensor) -> bool:
-    """Can the rotary kernels take q [T, heads, head_dim] (CUDA inference, half the head a power of 2)?"""
-    half = q.shape[-1] // 2
-    return use_triton(q) and half >= 8 and half & (half - 1) == 0
+def rotary_fits(x: torch.Tensor, head_dim: int) -> bool:
+    """Can the rotary kernels take heads of head_dim beside x (CUDA inference, half the head a power of 2)?"""
+    half = head_dim // 2
+    return use_triton(x) and half >= 8 and half & (half - 1) == 0
 
 
 def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Rotate q in place and write rotated k and v to their cache slots, in one launch.
+                   sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor,
+                   qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> None:
+    """Rotate q in place and write rotated k and v to their cache slots, in one launch; with qk_norm (q's
+    and k's RMSNorm weights [D], eps) each head of q and k is normed first (Qwen3).
     q [T, H, D], k and v [T, Hkv, D], cache [2, num_slots, Hkv, D], slots [T]."""
     tokens, heads, head_dim = q.shape
     if not tokens:
         return
     kc, vc = cache[0], cache[1]
-    _rope_and_cache[(tokens,)](q, k, v, kc, vc, cos, sin, positions, slots, q.stride(0), q.stride(1), k.stride(0),
-                               k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads, k.shape[1],
-                               HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]), num_warps=4)
+    qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without NORM
+    _rope_and_cache[(tokens,)](q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps, q.stride(0), q.stride(1),
+                               k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads,
+                               k.shape[1], HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]),
+                               NORM=qk_norm is not None, num_warps=4)
 
 
 def _pow2(n: int) -> int:

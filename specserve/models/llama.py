@@ -35,25 +35,34 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, c.head_dim, layer)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of x [n, input_size] (q/k normed)."""
+    def _project(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of x [n, input_size] (q/k normed, unless
+        norm is False: `rope_and_cache` norms them)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _rope_and_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of x, q normed and rotated in place, k and v written to cache ([2, slots, kv_heads, head_dim])
+        at slots: one launch after the projection (`triton_ops.rope_and_cache`)."""
+        q, k, v = self._project(x, norm=False)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, cache, slots, qk_norm)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self._project(x)
-        if meta.fuses_kv_write and triton_ops.rotary_fits(q):
-            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.cache(meta),
-                                      meta.slot_mapping)
+        if meta.fuses_kv_write and triton_ops.rotary_fits(x, self.head_dim):
+            q, k, v = self._rope_and_cache(x, positions, self.attn.cache(meta), meta.slot_mapping)
             out = self.attn(q, k, v, meta, kv_written=True)
         else:
+            q, k, v = self._project(x)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
@@ -62,10 +71,10 @@ class DecoderAttention(nn.Module):
         """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n] of this layer
         in kv_cache ([layers, 2, slots, kv_heads, head_dim]), attending to nothing: what forward would store."""
         cache = kv_cache[self.attn.layer]
-        q, k, v = self._project(x)
-        if triton_ops.rotary_fits(q):  # one launch: rotary and both cache writes
-            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, cache, slots)
+        if triton_ops.rotary_fits(x, self.head_dim):  # one launch: norms, rotary and both cache writes
+            self._rope_and_cache(x, positions, cache, slots)
             return
+        q, k, v = self._project(x)
         _, k = self.rotary(positions, q, k)
         cache[0, slots] = k
         cache[1, slots] = v
