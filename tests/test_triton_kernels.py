@@ -316,6 +316,32 @@ def test_rope_and_cache_norms_q_and_k_per_head(dtype):
     assert torch.equal(cache[1, slots], v)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("n,k", [(96, 512), (40, 300), (8, 1000)])
+def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
+    """x @ W.T (+ bias) for 1-4 rows, against fp32 F.linear (K not a multiple of the block, N not a multiple of
+    the strip; weights and rows as strided views); each row's bits are the same computed alone or beside
+    others (the sums over K run in the same blocks)."""
+    import torch.nn.functional as F
+
+    from specserve.layers import triton_gemv
+
+    dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 1e-2)
+    w = torch.randn(n, k + 8, dtype=dtype, device=dev)[:, 4:k + 4]  # rows of W strided
+    bias = torch.randn(n, dtype=dtype, device=dev)
+    x = torch.randn(4, k, dtype=dtype, device=dev)
+    for m in (1, 2, 3, 4):
+        want = F.linear(x[:m].float(), w.float(), bias.float())
+        for launch in (None, (8, 4), (32, 8)):
+            got = triton_gemv.gemv(x[:m], w, bias, launch=launch)
+            assert got.shape == (m, n) and got.dtype == dtype
+            assert (got.float() - want).norm() / want.norm() < tol, (m, launch)
+    together = triton_gemv.gemv(x, w)
+    assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(4))
+    assert triton_gemv.gemv(x[:2].view(2, 1, k), w).shape == (2, 1, n)
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_embed_norm_pair_is_two_norms_side_by_side(dtype):

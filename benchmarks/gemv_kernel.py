@@ -1,0 +1,79 @@
+"""The few-row linear alone on a GPU: weight bytes read per second by F.linear (cuBLAS) and by the Triton
+kernel of `specserve/layers/triton_gemv.py` (its default launch and the ones given), per weight shape of the
+Llama-3.1-8B and Qwen3-30B-A3B shapes, at 1, 2 and 4 rows.
+
+    python benchmarks/gemv_kernel.py --out gemv.json
+    python benchmarks/gemv_kernel.py --rows 1 --launch 8,4 16,4 16,8 32,8 --out gemv.json   # BLOCK_N,num_warps
+
+Times are medians of CUDA-event timings of a CUDA graph that cycles through copies of the weight (at least
+256 MiB of them, so none is read from the 50 MiB L2), per call. bf16 throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from attention_kernel import graph_seconds  # noqa: E402
+from gpu_decode import ceilings  # noqa: E402
+
+from specserve.layers import triton_gemv  # noqa: E402
+
+SHAPES = {  # name: (out features N, in features K)
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+    "8b.lm_head": (128256, 4096),
+    "30b-a3b.qkv": (5120, 2048), "30b-a3b.o": (2048, 4096), "30b-a3b.router": (128, 2048),
+    "30b-a3b.lm_head": (151936, 2048),
+}
+SPAN = 256 * 2**20  # bytes of weight copies a graph cycles through
+
+
+def cell(name: str, rows: int, launches: list, bandwidth: float) -> dict:
+    n, k = SHAPES[name]
+    dev = torch.device("cuda")
+    nbytes = n * k * 2
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) for _ in range(max(1, -(-SPAN // nbytes)))]
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+    out = {"shape": name, "n": n, "k": k, "rows": rows, "weight_bytes": nbytes, "runs": []}
+
+    def run(label, fn) -> None:
+        seconds = graph_seconds(lambda: [fn(w) for w in weights], calls=1) / len(weights)
+        entry = {"kernel": label, "us": seconds * 1e6, "gb_per_s": nbytes / seconds / 1e9,
+                 "of_copy": nbytes / seconds / bandwidth}
+        out["runs"].append(entry)
+        print(f"{name:>16} rows {rows}: {label:>16} {entry['us']:8.1f} us {entry['gb_per_s']:7.0f} GB/s "
+              f"= {entry['of_copy']:.0%} of copy", flush=True)
+
+    run("F.linear", lambda w: F.linear(x, w))
+    for launch in launches:
+        label = "gemv" if launch is None else f"gemv {launch[0]},{launch[1]}"
+        run(label, lambda w, launch=launch: triton_gemv.gemv(x, w, launch=launch))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--launch", nargs="*", default=[], help="BLOCK_N,num_warps settings to try besides the default")
+    ap.add_argument("--out", default="gemv_kernel.json")
+    args = ap.parse_args()
+    ceil = ceilings("cuda")
+    launches = [None] + [tuple(int(v) for v in s.split(",")) for s in args.launch]
+    result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cells": []}
+    for rows in args.rows:
+        for name in args.shapes:
+            result["cells"].append(cell(name, rows, launches, ceil["copy_bytes_per_s"]))
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
