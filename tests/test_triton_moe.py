@@ -110,11 +110,27 @@ def test_strides_and_int32_experts():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n,top_k", [(5, 2), (40, 4)])
+@pytest.mark.parametrize("n,top_k", [(2, 2), (5, 2), (40, 4)])
 def test_half(n, top_k, dtype):
     if dtype == torch.bfloat16 and INTERPRET:
         pytest.skip("Triton's interpreter does bf16 arithmetic (tl.dot, *) on the raw uint16 bits")
     check(n, 8, top_k, 256, 96, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,num_experts,top_k", [(1, 16, 8), (2, 8, 2), (2, 16, 8)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_direct_kernels_for_a_few_tokens(monkeypatch, n, num_experts, top_k, strided):
+    """At most DIRECT_TOKENS tokens skip the layout by expert (two launches); the same sums as the reference
+    and, within fp32 rounding, as the layout path (hidden and intermediate not multiples of the blocks)."""
+    check(n, num_experts, top_k, 200, 72, torch.float32, strided=strided)
+    device = torch.device(DEVICE["name"])
+    w13, w2 = make_weights(num_experts, 200, 72, torch.float32, device)
+    x = torch.randn(n, 200, device=device)
+    weights, experts = random_routing(n, num_experts, top_k, device)
+    direct = triton_moe.fused_experts(x, w13, w2, weights, experts)
+    monkeypatch.setattr(triton_moe, "DIRECT_TOKENS", 0)
+    torch.testing.assert_close(direct, triton_moe.fused_experts(x, w13, w2, weights, experts), rtol=1e-5, atol=1e-6)
 
 
 @needs_cuda

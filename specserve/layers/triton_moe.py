@@ -12,6 +12,11 @@ rows of each token are summed in torch (deterministic: no atomics in the sums). 
 (n, top_k, experts, hidden, intermediate), never on the routing, and nothing is read back to the host, so a
 CUDA graph can hold the whole computation and replay it with new routing.
 
+A batch of at most DIRECT_TOKENS tokens (a decode step at batch 1 or 2) skips the layout: its few rows are
+weight reads, each expert's a row or two. One launch per assignment reads its expert's gate/up strips for
+SwiGLU (`_direct_up`), and one per token loops over its top_k experts' down strips, scaling and summing in
+the program (`_direct_down`): two launches a layer where the layout, the GEMMs and the sum took five.
+
 `route` is the router before them in one launch (softmax, top-k, renormalisation, cast) where torch takes ~6.
 """
 from __future__ import annotations
@@ -23,6 +28,9 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+DIRECT_TOKENS = 2  # at most this many tokens: the direct kernels, no layout by expert
 
 
 def available() -> bool:
@@ -118,6 +126,84 @@ if triton is not None:
         tl.store(Experts + row * TOP_K + ks, ids, mask=ks < TOP_K)
 
 
+if triton is not None:
+    @triton.jit
+    def _direct_up(X, W13, Experts, Act, inter, hidden, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+                   stride_am, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Act[a, cols] = silu(x[t] @ W13[e, cols]^T) * (x[t] @ W13[e, inter + cols]^T) for assignment a = t * TOP_K + j
+        a = tl.program_id(0)
+        e = tl.load(Experts + a).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = X + (a // TOP_K).to(tl.int64) * stride_xm + ks * stride_xk  # [BLOCK_K]
+        w_ptrs = W13 + e * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+        gate = tl.zeros((BLOCK_N,), tl.float32)
+        up = tl.zeros((BLOCK_N,), tl.float32)
+        for k in range(0, hidden, BLOCK_K):
+            kmask = ks < hidden - k
+            x = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            wmask = nmask[:, None] & kmask[None, :]
+            gate += tl.sum(tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32) * x, 1)
+            up += tl.sum(tl.load(w_ptrs + inter * stride_wn, mask=wmask, other=0.0).to(tl.float32) * x, 1)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+        dtype = Act.dtype.element_ty
+        g = gate.to(dtype).to(tl.float32)
+        tl.store(Act + a * stride_am + cols, ((g / (1.0 + tl.exp(-g))).to(dtype) * up.to(dtype)).to(dtype),
+                 mask=nmask)
+
+    @triton.jit
+    def _direct_down(Act, W2, Experts, Weights, Out, hidden, inter, stride_am, stride_we, stride_wn, stride_wk,
+                     stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Out[t, cols] = sum over j of Weights[a] * (Act[a] @ W2[e, cols]^T), a = t * TOP_K + j, e = Experts[a]
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        dtype = Out.dtype.element_ty
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        for j in range(TOP_K):
+            a = t * TOP_K + j
+            e = tl.load(Experts + a).to(tl.int64)
+            act_ptrs = Act + a * stride_am + ks
+            w_ptrs = W2 + e * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+            acc = tl.zeros((BLOCK_N,), tl.float32)
+            for k in range(0, inter, BLOCK_K):
+                kmask = ks < inter - k
+                act = tl.load(act_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w * act, 1)
+                act_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K * stride_wk
+            total += (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32)  # as the GEMM's epilogue rounds it
+        tl.store(Out + t * stride_om + cols, total.to(dtype), mask=nmask)
+
+
+def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+            experts: torch.Tensor) -> torch.Tensor:
+    """`fused_experts` for a few tokens without the layout by expert: two launches."""
+    from .triton_gemv import block_n
+
+    n, hidden = x.shape
+    top_k = experts.shape[1]
+    inter = w2.shape[2]
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    flat_experts = experts.contiguous().view(-1)  # [n * top_k]
+    scale = weights.contiguous().view(-1)  # [n * top_k]
+    act = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
+    size = block_n(n * top_k * inter, sms)
+    _direct_up[(n * top_k, triton.cdiv(inter, size))](
+        x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
+        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
+    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # [n, hidden]
+    size = block_n(n * hidden, sms)
+    _direct_down[(n, triton.cdiv(hidden, size))](
+        act, w2, flat_experts, scale, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        out.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
+    return out
+
+
 def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K). Small batches are bound by the weight reads: blocks of 16 rows (the least
     for tl.dot) and long K steps. Once experts average 16 rows or more, 64-row blocks read each expert's weights
@@ -161,6 +247,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     n_assign = n * top_k
     if n_assign == 0:
         return torch.zeros_like(x)
+    if n <= DIRECT_TOKENS:
+        return _direct(x, w13, w2, weights, experts)
     block_m, block_n, block_k = _config(n_assign, num_experts)
     sorted_ids, block_expert = align_blocks(experts, num_experts, block_m)
     scale = weights.contiguous().view(-1)  # [n * top_k]
