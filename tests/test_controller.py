@@ -260,7 +260,8 @@ def test_a_trees_gain_hope_is_pulled_toward_its_depth():
     c.record_verify(tree, 2, (2, 3))
     c.record_verify(tree, 2, (1, 3))
     assert c.acceptance.gain_hope(tree) == pytest.approx(13 / 6)
-    assert c.acceptance.expected_tokens(tree, hope=True) == pytest.approx(c.expected_tokens(chain) + 13 / 6)
+    assert c.acceptance.expected_tokens(tree, hope=True) == pytest.approx(
+        c.acceptance.expected_tokens(chain, hope=True) + 13 / 6)
     assert c.expected_tokens(tree) == pytest.approx(c.expected_tokens(chain) + 1 / 6)
 
 
@@ -287,6 +288,36 @@ def test_a_tree_unlucky_in_its_first_verifies_is_tried_again():
                 spine += 1
             c.record_verify(shape, shape.steps if shape.topk > 1 else spine, (spine, shape.steps))
     assert settled(chosen) == tree, "".join(str(s.k) for s in chosen)
+
+
+def test_acceptance_is_learned_first_in_the_shape_it_could_best_be():
+    """Start-up costs make a draft token cost half a plain step (a CPU's), so at the prior's 0.5 acceptance
+    plain wins. Until 16 verifies have reached the first position, the controller tries the shape that
+    would win were the first position's prior 1 (chain 3 at first, shorter chains as verifies pull that
+    down): at 0.8 acceptance its first 16 steps draft, and then it speculates on its estimate, instead of
+    waiting for probes (2% of the time) to move the prior."""
+    cost = lambda s, n=None: 0.018 * (1 + 0.5 * s.k)  # noqa: E731
+    c = calibrated(cost, batches=(1,))
+    chosen = feed(c, 1, cost, accept=0.8, steps=120)
+    assert chosen[0] == SHAPES[-1] and PLAIN not in chosen[:16] and not c.acceptance.young()
+    assert chosen[:40].count(PLAIN) <= 3 and settled(chosen) != PLAIN  # chains 1-3 within 4% there
+    shy = calibrated(cost, batches=(1,))  # learning off: plain until the probes' verifies move the prior
+    shy.acceptance.young = lambda: False
+    assert feed(shy, 1, cost, accept=0.8, steps=40).count(PLAIN) >= 30
+
+
+def test_a_probes_catch_up_is_priced_no_further_than_twice_the_longest_seen():
+    """Catch-ups seen so far: 64 pairs at +1 ms, 192 at +3 ms (a line of 1/64 ms a pair through 0). After
+    a gap of 1,000 plain steps at batch 64 (64,000 pairs) the next probe is priced at 384 pairs: 6 ms, not
+    the 1 s the line would give so far out; that probe's catch-up then teaches the line further."""
+    c = Controller("adaptive", SHAPES)
+    c.seed_costs({(n, s): [0.01] * 4 for n in (32, 64) for s in SHAPES})
+    for pairs, extra in ((64, 1e-3), (192, 3e-3)):
+        c.record_step(64, SHAPES[1], 0.01 + extra, typical=False, caught_up=pairs)
+    c.plain_steps = 1000
+    assert c.catch_up_price(64, 64) == pytest.approx(6e-3, rel=0.05)
+    c.plain_steps = 2
+    assert c.catch_up_price(64, 64) == pytest.approx(2e-3, rel=0.05)
 
 
 def test_start_up_times_price_batch_sizes_between_the_measured_ones():

@@ -59,12 +59,18 @@ class Acceptance:
         for i in range(min(num_accepted + 1, length)):  # positions reached: accepted ones + the first rejected
             self.positions[i].add(1.0 if i < num_accepted else 0.0)
 
-    def position_rates(self) -> list[float]:
+    def young(self) -> bool:
+        """Fewer verifies than `prior_samples` have reached the first draft position: acceptance is still
+        mostly the prior's."""
+        return len(self.positions[0]) < self.prior_samples
+
+    def position_rates(self, first_prior: float = 0.5) -> list[float]:
         """Per draft position, the rate it is accepted given the ones before it were. A position's few
-        samples are pulled toward the position before it by `prior_samples` pseudo-samples: deep
-        positions are only sampled while a long draft runs, so a handful of early (or warm-up) verifies
-        would otherwise hold a long draft off for good (acceptance varies little between positions)."""
-        rates, prior = [], 0.5
+        samples are pulled toward the position before it by `prior_samples` pseudo-samples (the first
+        toward first_prior): deep positions are only sampled while a long draft runs, so a handful of
+        early (or warm-up) verifies would otherwise hold a long draft off for good (acceptance varies
+        little between positions)."""
+        rates, prior = [], first_prior
         for window in self.positions:
             n = len(window)
             rate = (window.mean * n + prior * self.prior_samples) / (n + self.prior_samples) if n else prior
@@ -75,17 +81,18 @@ class Acceptance:
     def expected_tokens(self, shape: Shape, hope: bool = False) -> float:
         """Tokens one request gains from a step of this shape: accepted drafts plus the bonus. A tree: the
         chain of its depth, plus its mean gain over its spine pulled toward none by `gain_prior_samples`
-        (an unsampled tree is priced as that chain, never below it). hope: a tree's gain at its upper
-        bound instead (`gain_hope`), for choosing what to explore."""
+        (an unsampled tree is priced as that chain, never below it). hope: what it could still be, for
+        choosing what to explore: the first position's prior at 1 instead of 0.5, a tree's gain at its
+        upper bound (`gain_hope`)."""
         if shape.steps == 0:
             return 1.0
         if shape.topk > 1:
-            chain = self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1))
+            chain = self.expected_tokens(Shape(shape.steps, 1, shape.steps + 1), hope)
             if hope:
                 return chain + self.gain_hope(shape)
             return chain + self.tree_gain.total / (len(self.tree_gain) + self.gain_prior_samples)
         total, reach = 1.0, 1.0
-        for rate in self.position_rates()[:shape.steps]:
+        for rate in self.position_rates(1.0 if hope else 0.5)[:shape.steps]:
             reach *= rate
             total += reach
         return total

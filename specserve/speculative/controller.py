@@ -11,7 +11,9 @@ Policies:
   per request come from live acceptance (speculative/acceptance.py: per-position conditional rates for
   chains, learned from chain verifies and from the spines of tree verifies; a tree as the chain of its
   depth plus its mean gain over its spine; pooled over batch sizes: acceptance does not depend on the
-  batch). Step times (drafting,
+  batch). Until a few verifies have taught it (`Acceptance.young`), the steps try the shape that would
+  win at the most hopeful acceptance, so a prior that favours plain decoding is not left to the probes
+  to correct (on a CPU, where drafts are dear, the prior held plain through a whole benchmark). Step times (drafting,
   catching up and verifying included) are measured at start-up for every shape at batch sizes 1, 2, 4,
   ... (`seed_costs`, speculative/calibration.py) and then refreshed from live steps, the latest `window`
   of each per (batch-size bucket, shape), read per batch size (`StepTimes`; a median shrugs off noise).
@@ -44,6 +46,7 @@ Policies:
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Optional
 
 from .acceptance import Acceptance
@@ -82,7 +85,7 @@ class Controller:
         self.next_probe: dict[int, int] = {}  # per bucket: the step count from which it may probe again
         self.credit: dict[int, float] = {}  # per bucket: seconds of serving time it may still lose exploring
         # the latest draft catch-ups: seconds over an ordinary step, and pairs caught up on
-        self.catch_up_seconds, self.catch_up_pairs = Recent(16), Recent(16)
+        self.catch_ups: deque[tuple[float, float]] = deque(maxlen=16)  # (pairs caught up, seconds over a step)
         self.plain_steps = 0  # decode steps since the last one that drafted (its catch-up grows with them)
         self.probes: dict[int, int] = {}  # per bucket: probes made (every second one goes to the runner-up)
         self.probing: dict[int, list[Shape]] = {}  # per bucket: the probe's steps still to take
@@ -184,6 +187,10 @@ class Controller:
         self.current[b] = best
         self.predicted[b] = scores
         self.decided_on[b] = key
+        if self.acceptance.young():  # learn acceptance first, in the shape it could best be
+            hope = max(measured, key=lambda s: self.goodput(b, s, batch_size, hope=True))
+            if hope != best:
+                return self._explore(b, hope)
         shape = self._maybe_probe(b, best, batch_size)
         return shape if shape == best else self._explore(b, shape)
 
@@ -253,12 +260,17 @@ class Controller:
 
     def catch_up_price(self, b: int, batch_size: int) -> float:
         """What a draft's first step after the plain steps since the last draft step would cost on top of
-        an ordinary one: the pairs it catches up on (batch size x plain steps) at the cost per pair seen
-        in the latest catch-ups (any bucket's, sums over sums: large ones weigh most; none before the
-        first: that one probe teaches it)."""
-        pairs = self.catch_up_pairs.total
-        per_pair = max(0.0, self.catch_up_seconds.total) / pairs if pairs else 0.0
-        return per_pair * batch_size * self.plain_steps
+        an ordinary one, for the pairs it catches up on (batch size x plain steps): on a robust line through
+        the latest catch-ups (any bucket's) in their pairs, read no further than twice the most pairs any
+        of them caught up on; none before the first, which that one probe teaches. Early gaps are short,
+        and a step's noise (+-10%) over their few pairs reads as a steep per-pair cost: carried out to a
+        long gap's pairs it priced every later probe out of the budget, and plain held for good (10-14%
+        lost in the tests' random tables). So each probe may look at most twice as far as the last."""
+        if not self.catch_ups:
+            return 0.0
+        intercept, slope = robust_line(list(self.catch_ups))
+        pairs = min(batch_size * self.plain_steps, 2 * max(p for p, _ in self.catch_ups))
+        return max(0.0, intercept + slope * pairs)
 
     def _loss(self, b: int, shape: Shape, best: Shape, batch_size: int, seconds: float) -> float:
         """Serving time a step of `shape` taking `seconds` loses against the best shape's goodput."""
@@ -353,8 +365,7 @@ class Controller:
         self.plain_steps = self.plain_steps + 1 if shape == PLAIN else 0
         if not typical:
             if caught_up and self._priced(b, shape):
-                self.catch_up_seconds.add(seconds - self.seconds(b, shape, batch_size))  # noise averages out
-                self.catch_up_pairs.add(caught_up)
+                self.catch_ups.append((caught_up, seconds - self.seconds(b, shape, batch_size)))
             return
         if (b, shape) in self.stale:  # the first step of a probe: what it measures replaces the old estimate
             self.stale.discard((b, shape))
