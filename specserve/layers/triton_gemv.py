@@ -69,7 +69,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [m, N]
     if m:
-        size, warps = launch or (block_n(n, _sms(x.device)), 4)
+        size, warps = launch or (block_n(n, sms(x.device)), 4)
         _gemv[(triton.cdiv(n, size),)](rows, weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
                                        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=size, BLOCK_K=BLOCK_K,
                                        num_warps=warps)
@@ -81,7 +81,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 _SMS: dict = {}
 
 
-def _sms(device: torch.device) -> int:
+def sms(device: torch.device) -> int:
+    """The device's streaming multiprocessors (an H200's 132 elsewhere, for Triton's interpreter)."""
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     return _SMS[device]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .triton_gemv import block_n, sms
+
 try:
     import triton
     import triton.language as tl
@@ -183,21 +185,19 @@ if triton is not None:
 def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             experts: torch.Tensor) -> torch.Tensor:
     """`fused_experts` for a few tokens without the layout by expert: two launches."""
-    from .triton_gemv import block_n
-
     n, hidden = x.shape
     top_k = experts.shape[1]
     inter = w2.shape[2]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    count = sms(x.device)
     flat_experts = experts.contiguous().view(-1)  # [n * top_k]
     scale = weights.contiguous().view(-1)  # [n * top_k]
     act = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
-    size = block_n(n * top_k * inter, sms)
+    size = block_n(n * top_k * inter, count)
     _direct_up[(n * top_k, triton.cdiv(inter, size))](
         x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
         w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
     out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # [n, hidden]
-    size = block_n(n * hidden, sms)
+    size = block_n(n * hidden, count)
     _direct_down[(n, triton.cdiv(hidden, size))](
         act, w2, flat_experts, scale, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         out.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
