@@ -188,6 +188,26 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def against_best(results: dict) -> str:
+    """Markdown: per profile, each adaptive configuration's output tokens/s over the best fixed one's (plain
+    and the non-adaptive configurations of that profile) at every level, and how many levels reach 0.95."""
+    lines = []
+    for key in (k for k in results if k.split("/")[0].startswith("adaptive")):
+        profile = key.split("/")[1]
+        fixed = [k for k in results if k == "plain/none" or (k.split("/")[1] == profile
+                                                             and not k.split("/")[0].startswith(("adaptive", "plain")))]
+        ratios = []
+        for c, r in results[key]["levels"].items():
+            rivals = [results[k]["levels"][c]["output_throughput"] for k in fixed if c in results[k]["levels"]]
+            if rivals:
+                ratios.append((c, r["output_throughput"] / max(rivals)))
+        met = sum(x >= 0.95 for _, x in ratios)
+        lines.append(f"| {key} | " + " / ".join(f"{x:.2f}" for _, x in ratios) + f" | {met} of {len(ratios)} |")
+    if not lines:
+        return ""
+    return "\n".join(["| adaptive / best fixed, by level | ratios | >= 0.95 |", "|---|---|---|", *lines])
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -249,6 +269,7 @@ def main() -> None:
     else:
         results = sweep(args)
     print(table(results))
+    print(against_best(results))
     if args.plot:
         plot(results, args.plot)
 
