@@ -48,9 +48,9 @@ class Acceptance:
 
     def gain_hope(self, shape: Shape) -> float:
         """What a tree's mean gain over its spine could still be: its gains with `gain_prior_samples`
-        pseudo-samples at the tree's depth (no tree gains more), where the estimate's pull toward none;
-        the truth lies between the two, which meet as verifies come. A tree whose first few verifies
-        gained nothing is so still worth a try where a fair gain would make it win."""
+        pseudo-samples at the tree's depth (no tree gains more), where the estimate has them at none; the
+        truth lies between the two, which meet as verifies come. So a tree whose first few verifies gained
+        nothing is still tried where a fair gain would make it win."""
         return (self.tree_gain.total + self.gain_prior_samples * shape.steps) / (
             len(self.tree_gain) + self.gain_prior_samples)
 
