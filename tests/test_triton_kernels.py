@@ -340,6 +340,8 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
     together = triton_gemv.gemv(x, w)
     assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(4))
     assert triton_gemv.gemv(x[:2].view(2, 1, k), w).shape == (2, 1, n)
+    with pytest.raises(ValueError, match="up to 4 rows"):
+        triton_gemv.gemv(torch.randn(5, k, dtype=dtype, device=dev), w)
 
 
 @needs_cuda

@@ -45,13 +45,6 @@ if triton is not None:
                  mask=mmask[:, None] & nmask[None, :])
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the kernel take x [..., K] @ weight [N, K].T: Triton on CUDA, no autograd, at most MAX_ROWS rows,
-    contiguous K (rows of the weight and of x)?"""
-    return (triton is not None and x.is_cuda and not torch.is_grad_enabled() and x.dtype == weight.dtype
-            and x.numel() <= MAX_ROWS * x.shape[-1] and weight.stride(1) == 1 and x.stride(-1) == 1)
-
-
 def block_n(n: int, sms: int) -> int:
     """Rows of W per program: 32, halved (to 8) while that leaves fewer than two programs per SM."""
     size = 32
@@ -62,11 +55,15 @@ def block_n(n: int, sms: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          launch: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias) in x's dtype, fp32 sums; x has at most MAX_ROWS rows (`fits`).
+    """x [..., K] @ weight [N, K].T (+ bias) in x's dtype, fp32 sums; x of at most MAX_ROWS rows, both with
+    contiguous K.
     launch: (BLOCK_N, num_warps), else `block_n` and 4 warps (benchmarks/gemv_kernel.py compares them)."""
     rows = x.reshape(-1, x.shape[-1])  # [m, K]
     m, k = rows.shape
     n = weight.shape[0]
+    if m > MAX_ROWS or rows.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"gemv takes up to {MAX_ROWS} rows with contiguous K, got {m} rows, strides "
+                         f"{rows.stride()} and {weight.stride()}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [m, N]
     if m:
         size, warps = launch or (block_n(n, sms(x.device)), 4)
