@@ -21,8 +21,8 @@ the node has no second child: a tree gains over its spine only through a side br
 real drafter (the controller learns that gain, speculative/acceptance.py); the configured tree rates are
 what a tree branching at every depth would accept. So that the spine is the tree a drafter of these rates
 would build, drafts rank their children by synthetic scores (`child_scores`): the first child of a node at
-depth d has the conditional rate rates[d] / rates[d-1], the others share what is left. On random weights, whose draft
-distribution is nearly flat, the tree would otherwise be broad and two levels deep.
+depth d has the conditional rate rates[d] / rates[d-1], the others share what is left. On random weights,
+whose draft distribution is nearly flat, the tree would otherwise be broad and two levels deep.
 """
 from __future__ import annotations
 
