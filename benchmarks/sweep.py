@@ -46,6 +46,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
         "plain": dict(speculative_algorithm="none"),
         "plain-b": dict(speculative_algorithm="none"),  # a second plain engine: the noise floor of the ratios
         "chain": dict(spec, speculative_num_steps=3, speculative_policy="always"),
+        "chain1": dict(spec, speculative_num_steps=1, speculative_policy="always"),
+        "chain2": dict(spec, speculative_num_steps=2, speculative_policy="always"),
         "tree": dict(spec, speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8,
                      speculative_policy="always"),
         "threshold": dict(spec, speculative_num_steps=3, speculative_policy="threshold",

@@ -28,7 +28,8 @@ of 1-5 and the tree) accept at the profile's chain rates, continued to five draf
 (`speculative_synthetic_chain_rates`), not at the tree's.
 
 Per level the JSON keeps output tokens/s, per-request tokens/s spread, mean k, decode steps and the mean
-wall time of a step, the measured acceptance length, and the engine's draft / verify seconds.
+wall time of a step, the measured acceptance length, the engine's draft / verify seconds, and the wall time
+of `engine.step` split by whether the step computed prompt tokens and by its k (`time_split`).
 """
 from __future__ import annotations
 
@@ -71,18 +72,24 @@ def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids:
     before = (stats.num_steps, spec.num_drafts, spec.num_accepted_tokens, spec.draft_time_s, spec.verify_time_s)
     issued = finished = tokens = 0
     ks, started, rates = [], {}, []
+    split: dict[str, list] = {}  # "prompt k2" / "decode k0"...: [steps, seconds] of engine.step by kind and k
     start = time.perf_counter()
     while finished < total:
         while issued < total and issued - finished < concurrency:
             seq = engine.add_request(prompt_ids[issued % len(prompt_ids)], params)
             started[seq.request_id] = time.perf_counter()
             issued += 1
+        t0, prompted = time.perf_counter(), stats.num_prompt_tokens
         for out in engine.step():
             if out.finished:
                 finished += 1
                 tokens += len(out.token_ids)
                 rates.append(len(out.token_ids) / (time.perf_counter() - started.pop(out.request_id)))
         ks.append(spec.last_k)
+        kind = "prompt" if stats.num_prompt_tokens > prompted else "decode"
+        cell = split.setdefault(f"{kind} k{spec.last_k}", [0, 0.0])
+        cell[0] += 1
+        cell[1] += time.perf_counter() - t0
     seconds = time.perf_counter() - start
     steps, drafts, accepted, draft_s, verify_s = (
         now - then for now, then in zip(
@@ -92,7 +99,8 @@ def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids:
     return {"output_throughput": tokens / seconds, "seconds": seconds, "tokens": tokens, "requests": total,
             "mean_k": sum(ks) / len(ks), "steps": steps, "mean_step_ms": 1e3 * seconds / max(steps, 1),
             "accept_length": 1 + accepted / drafts if drafts else None, "draft_s": draft_s, "verify_s": verify_s,
-            "request_tok_s": {"min": rates[0], "median": rates[len(rates) // 2], "max": rates[-1]}}
+            "request_tok_s": {"min": rates[0], "median": rates[len(rates) // 2], "max": rates[-1]},
+            "time_split": {k: {"steps": n, "seconds": round(t, 4)} for k, (n, t) in sorted(split.items())}}
 
 
 def extended(rates: tuple[float, ...], depth: int) -> tuple[float, ...]:
@@ -108,7 +116,8 @@ def profile_rates(profile: str, options: dict) -> dict:
     """The synthetic-acceptance options of a configuration under a profile: a tree's rates, and for its
     chain candidates (the adaptive policy's) the profile's chain rates to the tree's depth."""
     if options.get("speculative_eagle_topk", 1) == 1:
-        return {"speculative_synthetic_acceptance_rates": PROFILES[profile]["chain"]}
+        return {"speculative_synthetic_acceptance_rates": extended(PROFILES[profile]["chain"],
+                                                                  options.get("speculative_num_steps", 3))}
     return {"speculative_synthetic_acceptance_rates": PROFILES[profile]["tree"],
             "speculative_synthetic_chain_rates": extended(PROFILES[profile]["chain"], options["speculative_num_steps"])}
 
