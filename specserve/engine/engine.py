@@ -131,6 +131,8 @@ class LLMEngine:
         self.inflight: Optional[InFlight] = None
         self.flight: Optional[LoopFlight] = None  # a greedy speculative step in flight (overlap)
         self.flight_done: list[Sequence] = []  # finished during the run: released when it drains
+        self.run_opened = 0.0  # seconds the step that began the run of looped steps in flight took
+        self.run_times: dict[Shape, list] = {}  # per shape: [steps, seconds, tokens] of the run (`_loop_drain`)
         on_cuda = self.runner.device.type == "cuda"
         rows = config.scheduler.max_num_seqs
         self.host_buffers = [torch.empty(rows, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
@@ -225,7 +227,7 @@ class LLMEngine:
             if self._loop_continues():
                 return self._loop_step(start)
             released = bool(self.flight_done)
-            outputs = self._loop_drain()
+            outputs = self._loop_drain(start)
             start = time.perf_counter()  # the drained step's device time belongs to that step
         if self.overlap and self.shape.steps == 0:
             return outputs + self._step_overlapped(start)
@@ -243,6 +245,7 @@ class LLMEngine:
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
         if self._loop_starts(batch, speculating):
             self.flight = self.spec.start_loop([item.seq for item in batch], self.shape)
+            self.run_opened, self.run_times = time.perf_counter() - start, {}
             self.stats.num_steps += 1
             self.stats.spec.last_k = self.shape.k
             return outputs
@@ -309,9 +312,22 @@ class LLMEngine:
         emitted = self.stats.num_generation_tokens
         outputs, _ = self._loop_resolve(flight)
         # launch to launch, the wait for the step before included: one speculative step's time
-        self.spec.record_step(len(flight.seqs), flight.shape, time.perf_counter() - start, len(flight.seqs),
-                              self.stats.num_generation_tokens - emitted, looped=True)
+        self._run_step(flight.shape, time.perf_counter() - start, self.stats.num_generation_tokens - emitted)
         return outputs
+
+    def _run_step(self, shape: Shape, seconds: float, tokens: int) -> None:
+        cell = self.run_times.setdefault(shape, [0, 0.0, 0])
+        cell[0], cell[1], cell[2] = cell[0] + 1, cell[1] + seconds, cell[2] + tokens
+
+    def _record_run(self, batch_size: int) -> None:
+        """Time a drained run's steps for the controller: per shape, its steps at their mean. The step that
+        began the run (host work, the draft catching up after a prompt) and the wait for its last belong
+        to no launch-to-launch interval; they are counted as its last step's, so a draft whose runs every
+        arriving prompt cuts short is priced as it runs, not as an unbroken run would be."""
+        for shape, (steps, seconds, tokens) in self.run_times.items():
+            for _ in range(steps):
+                self.spec.record_step(batch_size, shape, seconds / steps, batch_size, tokens / steps, looped=True)
+        self.run_times = {}
 
     def _loop_resolve(self, flight: LoopFlight) -> tuple[list[RequestOutput], list[Optional[int]]]:
         """Read a looped step's verdicts and apply them; per row, the drafts it accepted (None for a
@@ -333,10 +349,11 @@ class LLMEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return outputs, accepted
 
-    def _loop_drain(self) -> list[RequestOutput]:
+    def _loop_drain(self, start: float) -> list[RequestOutput]:
         """End the run: read its last step, hand the draft state back, trim the KV reserved past
-        each sequence's tokens and release the sequences that finished."""
+        each sequence's tokens and release the sequences that finished (start: when this step began)."""
         flight, self.flight = self.flight, None
+        emitted = self.stats.num_generation_tokens
         outputs, accepted = self._loop_resolve(flight)
         self.spec.end_loop(flight.seqs, accepted)
         for seq in flight.seqs:
@@ -344,6 +361,9 @@ class LLMEngine:
                 self.blocks.truncate(seq, seq.num_tokens)
         done, self.flight_done = self.flight_done, []
         self._finish(done)
+        self._run_step(flight.shape, self.run_opened + time.perf_counter() - start,
+                       self.stats.num_generation_tokens - emitted)
+        self._record_run(len(flight.seqs))
         return outputs
 
     def _drain(self) -> list[RequestOutput]:

@@ -349,7 +349,7 @@ class Controller:
 
     # ---- observations -------------------------------------------------------------------------
     def record_step(self, batch_size: int, shape: Shape, seconds: float, typical: bool = True,
-                    caught_up: int = 0, tokens: Optional[int] = None) -> None:
+                    caught_up: int = 0, tokens: Optional[float] = None) -> None:
         """A decode step's wall time. The machine's speed drifts (load, other tenants) and the shapes are
         measured at different times, so times are kept at a per-bucket speed index, which plain's steps
         track once its times are known: plain anchors the drafts, whose steps (chosen or probed) refine

@@ -188,7 +188,7 @@ class SpecDecoder:
         self.proposer.flush(seqs, cached_blocks)
 
     def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0,
-                    tokens: Optional[int] = None, looped: bool = False) -> None:
+                    tokens: Optional[float] = None, looped: bool = False) -> None:
         """A decode-only step's wall time, for the controller (`tokens`: what it emitted, when known).
         `drafted`: sequences that speculated in it;
         a step whose draft caught up on more than a verify's worth of positions per sequence (after plain
