@@ -167,6 +167,7 @@ def sweep(args) -> dict:
                 r = run_level(engine, c, max(n, c), args.max_tokens, prompt_ids)
                 if engine.spec is not None and engine.spec.controller.policy == "adaptive":
                     r["controller"] = engine.spec.controller.explain()  # why it chose as it did
+                    r["step_times"] = step_times(engine.spec.controller)
                 results[key]["levels"][str(c)] = r
                 print(f"{key:20s} C={c:<4} {r['output_throughput']:9.1f} tok/s  k {r['mean_k']:.2f}  "
                       f"step {r['mean_step_ms']:6.2f} ms  tau {r['accept_length'] or 0:.2f}", flush=True)
@@ -175,6 +176,14 @@ def sweep(args) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
+
+
+def step_times(controller) -> dict:
+    """Per bucket and shape, the (batch size, ms) samples its step times hold (at the speed index 1)."""
+    out: dict = {}
+    for (b, shape), times in sorted(controller.step_time.items(), key=lambda kv: (kv[0][0], kv[0][1].num_nodes)):
+        out.setdefault(str(b), {})[shape.label] = [(n, round(t * 1e3, 3)) for n, t in times.samples]
+    return out
 
 
 def table(results: dict) -> str:

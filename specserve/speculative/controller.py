@@ -95,6 +95,7 @@ class Controller:
         self.decided: dict[int, int] = {}  # per bucket: adaptive decisions made
         self.explored: dict[int, int] = {}  # per bucket: of them, steps of a shape other than the best (tries, probes)
         self.predicted: dict[int, dict[Shape, float]] = {}  # per bucket: goodput of each measured shape, last decision
+        self.decided_at: dict[int, int] = {}  # per bucket: the batch size of its last decision
         # per draft family (topk): (seconds, per verify token added) that a step with a prompt costs over a
         # plain one (start-up, speed index 1), up to batch size `prompt_batch`; see `prompt_extra`
         self.prompt_lines: dict[int, tuple[float, float]] = {}
@@ -186,6 +187,7 @@ class Controller:
             best = PLAIN
         self.current[b] = best
         self.predicted[b] = scores
+        self.decided_at[b] = batch_size
         self.decided_on[b] = key
         if self.acceptance.young():  # learn acceptance first, in the shape it could best be
             hope = max(measured, key=lambda s: self.goodput(b, s, batch_size, hope=True))
@@ -216,7 +218,8 @@ class Controller:
         served, lost = dict(self.serving_time), dict(self.exploration_loss)
         buckets = {}
         for b in sorted(decided):
-            buckets[b] = {"k": current[b].k if b in current else None,
+            buckets[b] = {"k": current[b].k if b in current else None, "batch_size": self.decided_at.get(b),
+                          "speed_index": round(self.speed(b), 4),
                           "k_beside_prompt": beside[b].k if b in beside else None,
                           "exploration_share": explored.get(b, 0) / decided[b],
                           "exploration_loss_share": lost.get(b, 0.0) / served[b] if served.get(b) else 0.0,
