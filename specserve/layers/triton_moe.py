@@ -14,8 +14,10 @@ CUDA graph can hold the whole computation and replay it with new routing.
 
 A batch of at most DIRECT_TOKENS tokens (a decode step at batch 1 or 2) skips the layout: its few rows are
 weight reads, each expert's a row or two. One launch per assignment reads its expert's gate/up strips for
-SwiGLU (`_direct_up`), and one per token loops over its top_k experts' down strips, scaling and summing in
-the program (`_direct_down`): two launches a layer where the layout, the GEMMs and the sum took five.
+SwiGLU (`_direct_up`), and one per assignment reads its expert's down strips and scales them
+(`_direct_down`), summed over the top_k in torch: three launches a layer where the layout, the GEMMs and
+the sum took five. (A program per token looping over its experts read the down weights at ~0.6 TB/s on the
+H200: too few bytes in flight.)
 
 `route` is the router before them in one launch (softmax, top-k, renormalisation, cast) where torch takes ~6.
 """
@@ -156,30 +158,27 @@ if triton is not None:
                  mask=nmask)
 
     @triton.jit
-    def _direct_down(Act, W2, Experts, Weights, Out, hidden, inter, stride_am, stride_we, stride_wn, stride_wk,
-                     stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # Out[t, cols] = sum over j of Weights[a] * (Act[a] @ W2[e, cols]^T), a = t * TOP_K + j, e = Experts[a]
-        t = tl.program_id(0)
+    def _direct_down(Act, W2, Experts, Weights, Part, hidden, inter, stride_am, stride_we, stride_wn, stride_wk,
+                     stride_pm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Part[a, cols] = Weights[a] * (Act[a] @ W2[e, cols]^T) for assignment a, e = Experts[a], in fp32
+        a = tl.program_id(0)
+        e = tl.load(Experts + a).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < hidden
         ks = tl.arange(0, BLOCK_K)
-        dtype = Out.dtype.element_ty
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        for j in range(TOP_K):
-            a = t * TOP_K + j
-            e = tl.load(Experts + a).to(tl.int64)
-            act_ptrs = Act + a * stride_am + ks
-            w_ptrs = W2 + e * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
-            acc = tl.zeros((BLOCK_N,), tl.float32)
-            for k in range(0, inter, BLOCK_K):
-                kmask = ks < inter - k
-                act = tl.load(act_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-                w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w * act, 1)
-                act_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K * stride_wk
-            total += (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32)  # as the GEMM's epilogue rounds it
-        tl.store(Out + t * stride_om + cols, total.to(dtype), mask=nmask)
+        act_ptrs = Act + a * stride_am + ks
+        w_ptrs = W2 + e * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for k in range(0, inter, BLOCK_K):
+            kmask = ks < inter - k
+            act = tl.load(act_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * act, 1)
+            act_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        dtype = Act.dtype.element_ty
+        tl.store(Part + a * stride_pm + cols, (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32),
+                 mask=nmask)  # as the GEMM's epilogue rounds it
 
 
 def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -196,12 +195,12 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     _direct_up[(n * top_k, triton.cdiv(inter, size))](
         x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
         w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
-    out = torch.empty(n, hidden, dtype=x.dtype, device=x.device)  # [n, hidden]
-    size = block_n(n * hidden, count)
-    _direct_down[(n, triton.cdiv(hidden, size))](
-        act, w2, flat_experts, scale, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        out.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
-    return out
+    part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
+    size = block_n(n * top_k * hidden, count)
+    _direct_down[(n * top_k, triton.cdiv(hidden, size))](
+        act, w2, flat_experts, scale, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        part.stride(0), BLOCK_N=size, BLOCK_K=128, num_warps=4)
+    return part.view(n, top_k, hidden).sum(1).to(x.dtype)  # [n, hidden]
 
 
 def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:
