@@ -203,7 +203,8 @@ class Controller:
     def explain(self) -> dict:
         """Why the controller speculates as it does, for /server_info and /metrics: the acceptance per
         draft position, and per batch bucket the shape chosen (its k), the goodput (tokens/s) predicted for
-        each measured shape at the latest decision, and the share of steps spent exploring other shapes.
+        each measured shape at the latest decision and the batch size it was made at, the bucket's speed
+        index, and the share of steps spent exploring other shapes.
         Read from another thread while the engine runs: a read that races an update is retried."""
         for _ in range(3):
             try:
