@@ -383,6 +383,22 @@ def test_explain_names_the_choice_its_prediction_and_the_exploration_share():
     assert Controller("always", SHAPES).explain()["buckets"] == {}
 
 
+def test_plain_priced_dear_by_a_slow_spell_is_probed_back_soon():
+    """Plain steps run slow for a while (17 ms where start-up measured 7: prompts' work beside them), so a
+    chain of 1 wins and plain's price (its start-up time at the speed index its own steps set) stays 2.4x
+    too dear once plain is fast again. Its probes are priced at what they could find (the start-up time),
+    so one is taken within ~150 steps and plain wins back (read off plain's own dear price, the first
+    came after ~650: 600+ steps of an 11% loss, longer than a benchmark level)."""
+    def at(plain_ms):
+        return lambda s, n=None: plain_ms / 1e3 if s == PLAIN else (7 + 3.8 * s.k + (4 if s.topk > 1 else 0)) / 1e3
+    for seed in range(3):
+        c = calibrated(at(7))
+        assert settled(feed(c, 100, at(17), accept=0.4, steps=300, seed=seed)) != PLAIN
+        chosen = feed(c, 100, at(7), accept=0.4, steps=400, seed=100 + seed)
+        back = next(i for i in range(len(chosen)) if all(s == PLAIN for s in chosen[i:i + 20]))
+        assert back <= 250, (seed, back)
+
+
 def random_table(rng: random.Random):
     """A step-cost table and acceptance drawn at random: a plain step of 1-20 ms, each draft token adding
     2-150% of it, each draft position accepted with probability 0.2-0.95."""

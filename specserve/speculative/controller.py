@@ -78,6 +78,7 @@ class Controller:
         self.unanchored: dict[int, dict[Shape, int]] = {}
         self.plain_since: dict[int, int] = {}
         self.step_time: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): at the speed index 1
+        self.start_up: dict[tuple[int, Shape], StepTimes] = {}  # (bucket, shape): the start-up table's, kept
         self.acceptance = Acceptance(max(s.steps for s in shapes), acceptance_window, prior_samples)
         self.changes = 0  # observations that can move a decision (times of shapes not running, acceptance)
         self.current: dict[int, Shape] = {}
@@ -238,8 +239,9 @@ class Controller:
         few unlucky verifies do not rule it out) and the one whose time estimate is oldest (so that no estimate
         stays stale: one taken in an odd step would otherwise hold for good); acceptance is sampled
         while plain decoding runs. A probe waits at least `probe_every` steps and until the
-        bucket's exploration credit (see `record_step`) covers its price: what the last probe lost, or
-        `min_samples` steps' predicted loss if that is more."""
+        bucket's exploration credit (see `record_step`) covers its price: `min_samples` steps' loss were
+        the shape at its `hoped_seconds` (a shape priced dear by a slow spell would otherwise wait long for
+        the probe that shows it fast again), and for a probe out of plain decoding the catch-up."""
         if self.steps_taken < self.next_probe.setdefault(b, self.steps_taken + self.probe_every):
             return best
         others = [s for s in self.shapes if s != best] or [best]
@@ -247,7 +249,7 @@ class Controller:
             shape = max(others, key=lambda s: self.goodput(b, s, batch_size, hope=True))
         else:  # the oldest estimate: none stays stale
             shape = min(others, key=lambda s: self.last_sample.get((b, s), -1))
-        per_step = self._loss(b, shape, best, batch_size, self.seconds(b, shape, batch_size)) \
+        per_step = self._loss(b, shape, best, batch_size, self.hoped_seconds(b, shape, batch_size)) \
             if self._priced(b, shape) else self.seconds(b, best, batch_size)  # unpriced: dear
         price = self.min_samples * per_step + (self.catch_up_price(b, batch_size) if best == PLAIN else 0.0)
         credit = self.credit[b] = min(self.credit.get(b, 0.0), 2 * price)  # no bursts after a long calm
@@ -288,9 +290,25 @@ class Controller:
         return self.acceptance.position_rates()
 
     def goodput(self, b: int, shape: Shape, batch_size: int, hope: bool = False) -> float:
-        """Tokens/s predicted for a step of this shape; hope: with a tree's gain at its upper bound."""
+        """Tokens/s predicted for a step of this shape; hope: what a probe could find, a tree's gain at its
+        upper bound and the step at its `hoped_seconds`."""
         tokens = self.acceptance.expected_tokens(shape, hope)
-        return batch_size * tokens / max(self.seconds(b, shape, batch_size), 1e-9)
+        seconds = self.hoped_seconds(b, shape, batch_size) if hope else self.seconds(b, shape, batch_size)
+        return batch_size * tokens / max(seconds, 1e-9)
+
+    def hoped_seconds(self, b: int, shape: Shape, batch_size: int) -> float:
+        """A step of this shape at the least of its estimate now and its start-up time (the machine back at
+        start-up's speed, the shape at what it measured). Plain's estimate is its start-up time at the speed
+        index its own steps set, and a draft's its live times: a spell of slow plain steps (beside
+        prompts, after each draft run) prices plain dear, and a price read off that estimate alone kept its
+        probes out of the budget for hundreds of steps (in the 8B sweep, chain-1 held at -11% through a
+        level). The budget charges what a probe does lose (`_account`), so hoping costs no more than it."""
+        now = self.seconds(b, shape, batch_size)
+        table = self.start_up.get((b, shape))
+        if table is None:
+            return now
+        base = table.line(batch_size) if shape == PLAIN else table.median(batch_size, self.start_up.get((b, PLAIN)))
+        return min(now, base + self.token_seconds * batch_size * self.expected_tokens(shape))
 
     def seconds(self, b: int, shape: Shape, batch_size: int) -> float:
         """A step of this shape at this batch size, at the machine's current speed."""
@@ -454,6 +472,7 @@ class Controller:
                 window = self.step_time.setdefault((b, shape), StepTimes(self.window))
                 for t, e in zip(seconds, emitted):
                     window.add(n, t - token_seconds * e)
+        self.start_up = {key: times.copy() for key, times in self.step_time.items()}
 
     def record_verify(self, shape: Shape, num_accepted: int, spine: Optional[tuple[int, int]] = None) -> None:
         """One request's verify accepted num_accepted drafts; of a tree's spine, spine[0] of spine[1]."""

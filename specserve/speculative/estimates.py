@@ -62,6 +62,12 @@ class StepTimes:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def copy(self) -> "StepTimes":
+        other = StepTimes(self.samples.maxlen)
+        for size, seconds in self.samples:
+            other.add(size, seconds)
+        return other
+
     def rescale_last(self, n: int, factor: float) -> None:
         """Multiply the latest n times by factor."""
         for i in range(max(0, len(self.samples) - n), len(self.samples)):
