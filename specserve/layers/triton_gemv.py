@@ -6,11 +6,14 @@ launch; docs/performance.md, session 15). Here each program reads a strip of BLO
 end along K, and keeps every x row's dot products with it: W is read once for all rows, with no split over K
 and no second launch. The sum over K runs in the same blocks whatever the number of rows, so a row's result
 does not depend on the rows beside it (a verify of 4 tokens gives each the bits a 1-row step would).
-Not yet called by the layers: `benchmarks/gemv_kernel.py` first measures it against cuBLAS on the H200.
+Not called by the layers: on the H200 it lost to cuBLAS at every 8B and 30B-A3B weight shape (38-59% of copy
+bandwidth at 1 row where cuBLAS read 58-98%; `benchmarks/gemv_kernel.py`, docs/performance.md session 17).
 """
 from __future__ import annotations
 
 import torch
+
+from .triton_split import sm_count
 
 try:
     import triton
@@ -66,7 +69,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          f"{rows.stride()} and {weight.stride()}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)  # [m, N]
     if m:
-        size, warps = launch or (block_n(n, sms(x.device)), 4)
+        size, warps = launch or (block_n(n, sm_count(x.device)), 4)
         _gemv[(triton.cdiv(n, size),)](rows, weight, y, m, n, k, rows.stride(0), weight.stride(0), y.stride(0),
                                        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=size, BLOCK_K=BLOCK_K,
                                        num_warps=warps)
@@ -74,12 +77,3 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         y += bias
     return y.reshape(*x.shape[:-1], n)
 
-
-_SMS: dict = {}
-
-
-def sms(device: torch.device) -> int:
-    """The device's streaming multiprocessors (an H200's 132 elsewhere, for Triton's interpreter)."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return _SMS[device]

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_gemv import block_n, sms
+from .triton_gemv import block_n
+from .triton_split import sm_count
 
 try:
     import triton
@@ -187,7 +188,7 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     n, hidden = x.shape
     top_k = experts.shape[1]
     inter = w2.shape[2]
-    count = sms(x.device)
+    count = sm_count(x.device)
     flat_experts = experts.contiguous().view(-1)  # [n * top_k]
     scale = weights.contiguous().view(-1)  # [n * top_k]
     act = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
