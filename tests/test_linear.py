@@ -28,3 +28,40 @@ def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, 8))
     half = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
+    """A decoder attention's store_kv projects k and v alone (the weight's rows after q's) and writes them
+    rotated (k normed first with Qwen3's q/k norm) to their slots, as the whole q/k/v projection would: 4
+    query heads per KV head, bias on, rows at scattered positions and slots; on CUDA through the fused kernel."""
+    from specserve.layers.rotary import RotaryEmbedding
+    from specserve.models.config import DecoderShape
+    from specserve.models.llama import DecoderAttention
+
+    from .conftest import DEVICE
+
+    dev = torch.device(DEVICE["name"])
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shape = DecoderShape(vocab_size=32, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=2,
+                         head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                         max_position_embeddings=256)
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(32, 256, 10000.0, None)
+    attn = DecoderAttention(shape, rotary, qkv_bias=True, qk_norm=qk_norm, layer=1)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.2)
+    attn = attn.to(dev, dtype)
+    x = torch.randn(7, 128, device=dev, dtype=dtype)
+    positions = torch.tensor([0, 5, 9, 100, 101, 37, 255], device=dev)
+    slots = torch.tensor([3, 11, 4, 60, 0, 12, 40], device=dev)
+    cache = torch.full((2, 2, 64, 2, 32), float("nan"), device=dev, dtype=dtype)
+    attn.store_kv(x, positions, slots, cache)
+    q, k, v = attn._project(x)
+    _, want_k = rotary.to(dev)(positions, q, k)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache[1, 0, slots].float(), want_k.float(), **tol)
+    torch.testing.assert_close(cache[1, 1, slots].float(), v.float(), **tol)
+    unwritten = torch.ones(64, dtype=torch.bool, device=dev)
+    unwritten[slots] = False
+    assert cache[1][:, unwritten].isnan().all() and cache[0].isnan().all(), "wrote outside the given slots"

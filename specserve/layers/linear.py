@@ -136,6 +136,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         d = self.head_dim
         return qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
 
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v of x [n, in] alone ([n, kv_heads * head_dim] each): the rows of the weight after q's, a
+        third of the work of a full projection where there are four query heads per KV head."""
+        q_size = self.num_heads * self.head_dim
+        bias = None if self.bias is None else self.bias[q_size:]
+        return linear(x, self.weight[q_size:], bias).chunk(2, dim=-1)
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums all-reduced."""

@@ -46,12 +46,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [n]; q [n, heads, head_dim]; k [n, kv_heads, head_dim]
-        if triton_ops.rotary_fits(q, q.shape[-1]):  # in place, one launch each
-            return (triton_ops.rotary_(q, positions, self.cos, self.sin),
-                    triton_ops.rotary_(k, positions, self.cos, self.sin))
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] rotated to positions [n] (in place on CUDA, one launch)."""
+        if triton_ops.rotary_fits(x, x.shape[-1]):
+            return triton_ops.rotary_(x, positions, self.cos, self.sin)
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,16 @@ class DecoderAttention(nn.Module):
         """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n] of this layer
         in kv_cache ([layers, 2, slots, kv_heads, head_dim]), attending to nothing: what forward would store."""
         cache = kv_cache[self.attn.layer]
-        if triton_ops.rotary_fits(x, self.head_dim):  # one launch: norms, rotary and both cache writes
-            self._rope_and_cache(x, positions, cache, slots)
+        n = x.shape[0]
+        k, v = (t.view(n, self.kv_heads, self.head_dim) for t in self.qkv_proj.kv(x))
+        if triton_ops.rotary_fits(x, self.head_dim):  # one launch: k's norm, rotary and both cache writes
+            qk_norm = None if self.k_norm is None else (self.k_norm.weight, self.k_norm.weight, self.k_norm.eps)
+            triton_ops.rope_and_cache(k[:, :0], k, v, positions, self.rotary.cos, self.rotary.sin, cache, slots,
+                                      qk_norm)
             return
-        q, k, v = self._project(x)
-        _, k = self.rotary(positions, q, k)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = self.rotary.rotate(positions, k)
         cache[0, slots] = k
         cache[1, slots] = v
 
