@@ -97,13 +97,13 @@ def test_hash_collisions_cost_hits_not_correctness(pair, reference):
     assert_pool_full(llm)
 
 
-def speculate_sessions(target, draft, policy: str, sabotage: bool = False):
+def speculate_sessions(target, draft, policy: str, sabotage: bool = False, **options):
     """Two sessions, two turns, speculating (`always`: a tree with many rejections) or plain decoding
     (`threshold` 0: the draft catches up only when requests finish). Returns the engine and the tokens
     of each session's last request."""
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, block_size=8,
                    speculative_policy=policy, speculative_disable_batch_threshold=0, speculative_num_steps=3,
-                   speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+                   speculative_eagle_topk=2, speculative_num_draft_tokens=6, **options)
     system, users = workload(sessions=2, turns=2)
     histories = [list(system) for _ in users]
     for t in range(2):
@@ -157,6 +157,22 @@ def test_cached_blocks_equal_a_fresh_prefill(pair, policy):
     assert compare_cached_blocks(llm.engine, fresh.engine) >= 4 + 2 * 7  # system prompt, then 7+ per session
     assert_pool_full(llm)
     assert_pool_full(fresh)
+
+
+@pytest.mark.parametrize("chunk", [2048, 13])
+def test_prompt_pairs_stored_in_their_step_equal_the_eager_pass(pair, monkeypatch, chunk):
+    """The draft KV of a prompt's pairs, stored from the prompt step's own tensors (one pair behind after
+    each chunk: the pair across a chunk boundary, or from a cached block's feature, joins the next), equals
+    what the draft's eager pass over the pending features stores: whole prompts and 13-token chunks, two
+    turns (the second starting on cached blocks), compared block by block."""
+    from specserve.speculative import eagle3_proposer
+
+    target, draft = pair
+    fast, _ = speculate_sessions(target, draft, "always", max_num_batched_tokens=chunk)
+    assert fast.engine.spec.proposer.last_catch_up <= 2 * 4, "the prompt pairs must be stored with the prompt"
+    monkeypatch.setattr(eagle3_proposer, "_one_behind", lambda state, start: False)
+    eager, _ = speculate_sessions(target, draft, "always", max_num_batched_tokens=chunk)
+    assert compare_cached_blocks(fast.engine, eager.engine) >= 4 + 2 * 7
 
 
 def test_the_comparison_sees_a_wrong_draft_state(pair):

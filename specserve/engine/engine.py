@@ -486,7 +486,7 @@ class LLMEngine:
     def _observe(self, out: ForwardOutput, committed: list) -> None:
         """Tell the proposer, once per step, which auxiliary rows each sequence committed."""
         if self.spec is not None:
-            self.spec.observe(out.aux, committed)
+            self.spec.observe(out.aux, committed, out.inputs)
 
     def _verify(self, batch: list[ScheduledSeq], drafted: list[int], out: ForwardOutput) -> dict:
         """Verify every draft of the step at once; per batch index: (its verdict, its tokens' logprobs)."""

@@ -28,11 +28,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
+class StepTensors:
+    """An eager step's inputs on the device, for a proposer that reads the step's aux beside them."""
+
+    ids: torch.Tensor  # [num_tokens] the step's tokens (placeholders resolved)
+    positions: torch.Tensor  # [num_tokens]
+    slots: torch.Tensor  # [num_tokens] each token's KV cache slot
+
+
+@dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [num_rows, vocab] fp32: one row per sampling sequence, one per node of a draft
     rows: list[range]  # per batch item, its logits rows (empty when it does not sample)
     aux: Optional[torch.Tensor]  # [num_tokens, aux_dim] auxiliary hidden states, when asked for
     token_offsets: list[int]  # per batch item, the flat index of its first token
+    inputs: Optional[StepTensors] = None  # beside aux when the step ran eagerly
 
 
 class ModelRunner:
@@ -194,18 +204,19 @@ class ModelRunner:
         if drafts is not None:  # no step is in flight: the placeholders are draft tokens
             self.pending_tokens = drafts.view(-1)
         try:
-            logits, aux = self._everywhere("run", step, aux_layers, sampled)
+            logits, aux, inputs = self._everywhere("run", step, aux_layers, sampled)
         finally:
             if drafts is not None:
                 self.pending_tokens = None
-        return ForwardOutput(logits, rows, aux, offsets)
+        return ForwardOutput(logits, rows, aux, offsets, inputs)
 
     @torch.inference_mode()
     def run(self, step: StepInputs, aux_layers: tuple[int, ...], sampled: int = 0
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The model on one step: logits [len(logit_index), vocab] fp32 and the auxiliary hidden states
-        [num_tokens, aux_dim] (None without aux_layers); from a CUDA graph when one fits. Ranks other than 0
-        then receive the `sampled` tokens rank 0 publishes for this step."""
+            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
+        """The model on one step: logits [len(logit_index), vocab] fp32, the auxiliary hidden states
+        [num_tokens, aux_dim] (None without aux_layers) and, beside them when the step ran eagerly, its
+        inputs on the device; from a CUDA graph when one fits. Ranks other than 0 then receive the
+        `sampled` tokens rank 0 publishes for this step."""
         out = self._model_step(step, aux_layers)
         if sampled and self.ranks is not None and self.ranks.rank != 0:
             self.pending_tokens = self.ranks.tp.broadcast(torch.empty(sampled, dtype=torch.long, device=self.device))
@@ -223,18 +234,21 @@ class ModelRunner:
         if tokens is not None and self.ranks is not None:
             self.ranks.tp.broadcast(tokens)
 
-    def _model_step(self, step: StepInputs, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _model_step(self, step: StepInputs, aux_layers: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
-            return self.graphs.replay(key, step, self.resolve_pending)
+            return *self.graphs.replay(key, step, self.resolve_pending), None
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
                                      self.group, trees, self.kv_cache)
         aux_layers = self._own_aux(aux_layers)
-        hidden, aux = self.model(self.resolve_pending(self._ids(step.ids)), self._ids(step.positions), meta,
-                                 aux_layers)
+        ids, positions = self.resolve_pending(self._ids(step.ids)), self._ids(step.positions)
+        hidden, aux = self.model(ids, positions, meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
-        return logits, torch.cat(aux, dim=-1) if aux else None
+        if not aux:
+            return logits, None, None
+        return logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping)
 
     def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
         """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device

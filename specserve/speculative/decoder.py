@@ -178,10 +178,10 @@ class SpecDecoder:
             start += len(verdicts[k].tokens)
         return result
 
-    def observe(self, aux: Optional[torch.Tensor], committed: list) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list, inputs=None) -> None:
         """What the target committed this step (see `Proposer.observe`)."""
         if committed:
-            self.proposer.observe(aux, committed)
+            self.proposer.observe(aux, committed, inputs)
 
     def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
         """These requests finish (see `Proposer.flush`)."""

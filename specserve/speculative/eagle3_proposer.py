@@ -14,7 +14,7 @@ per block), so a request that starts on h cached blocks starts with h*block_size
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -30,6 +30,9 @@ from .proposer import Proposer
 from .shapes import Shape
 from .synthetic import SyntheticAcceptance
 from .tree import DraftTree, device_chains, select_trees
+
+if TYPE_CHECKING:
+    from ..engine.model_runner import StepTensors
 
 
 @dataclass
@@ -66,6 +69,14 @@ class DraftState:
         assert left == 0, f"{count - left} pending features, {count} taken"
         self.pending, self.computed = rest, self.computed + count
         return taken
+
+
+def _one_behind(state: DraftState, start: int) -> bool:
+    """Has the draft seen every pair before position start's but the last (its feature pending), or is
+    start the first position?"""
+    if start == 0:
+        return state.computed == 0 and not state.pending
+    return state.computed == start - 1 and sum(len(rows) for _, rows in state.pending) == 1
 
 
 class Eagle3Proposer(Proposer):
@@ -121,19 +132,53 @@ class Eagle3Proposer(Proposer):
             state.pending = [(self.follower.features, range(seq.req_index, seq.req_index + 1))]
         return state
 
-    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]]) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]],
+                inputs: Optional["StepTensors"] = None) -> None:
         if aux is None:  # a plain-decode graph stored the pairs (eagle3_follow.py)
             return
-        bs, blocks, rows = self.block_size, [], []
+        bs, blocks, rows, prompts = self.block_size, [], [], []
         for seq, idx in committed:
             end = seq.num_computed_tokens
             start = end - len(idx)
-            self.state(seq, start).pending.append((aux, idx))
+            state = self.state(seq, start)
+            if inputs is not None and len(idx) > 1 and end <= seq.num_prompt_tokens and _one_behind(state, start):
+                prompts.append((seq, idx))
+            else:
+                state.pending.append((aux, idx))
             for i in range(bs - 1 - start % bs, end - start, bs):  # rows at the last position of a block
                 blocks.append(seq.block_table[(start + i) // bs])
                 rows.append(idx[i])
         if blocks:  # one copy per step for every sequence
             self.block_features[self._ids(blocks)] = aux[self._ids(rows)]
+        if prompts:
+            self._store_prompt_pairs(aux, inputs, prompts)
+
+    def _store_prompt_pairs(self, aux: torch.Tensor, inputs: "StepTensors",
+                            prompts: list[tuple[Sequence, range]]) -> None:
+        """Store the draft KV of the pairs a step's prompt chunks complete, from the step's own tensors:
+        within a chunk of rows r0..r1-1 the pair of row r is (aux[r], the token of row r + 1), in row r + 1's
+        slot; the pair before the chunk (a feature left pending, the chunk's first token) joins them. Each
+        sequence is one pair behind after it: the chunk's last feature waits for the next token."""
+        within, crossing, gather = [], [], RowGather()
+        for seq, idx in prompts:
+            state = seq.draft_state
+            if state.pending:
+                for t, r in state.take(1):
+                    gather.add(t, r, [len(crossing)])
+                crossing.append(idx.start)
+            within.append(torch.arange(idx.start, idx.stop - 1))
+            state.computed += len(idx) - 1
+            state.pending.append((aux, range(idx.stop - 1, idx.stop)))
+        rows = self._ids(torch.cat(within))  # [pairs within chunks]
+        ids, features = inputs.ids[rows + 1], aux[rows]
+        positions, slots = inputs.positions[rows], inputs.slots[rows + 1]
+        if crossing:
+            first = self._ids(crossing)  # [chunks after a pending pair]
+            ids, positions, slots = (torch.cat(p) for p in ((ids, inputs.ids[first]),
+                                                            (positions, inputs.positions[first] - 1),
+                                                            (slots, inputs.slots[first])))
+            features = torch.cat([features, gather.into(features.new_empty(len(crossing), aux.shape[1]))])
+        self.draft.store_kv(ids, features, positions, slots, self.kv_cache)
 
     def cached_tokens(self, seq: Sequence) -> int:
         state = seq.draft_state

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Protocol, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 import torch
 
 from ..engine.sequence import Sequence
 from .shapes import Shape
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from ..engine.model_runner import StepTensors
 
 
 class Follower(Protocol):
@@ -49,14 +52,15 @@ class Proposer(ABC):
         """One draft tree of exactly shape.num_nodes nodes per sequence (each has one uncomputed token)."""
 
     @abstractmethod
-    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]]
-                ) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]],
+                inputs: Optional["StepTensors"] = None) -> None:
         """The target committed the KV of these sequences' next positions, once per step: aux
         [num_tokens, aux_dim] holds the step's auxiliary hidden states (empty aux_dim when aux_layers is
         empty) and, per sequence, the rows of its committed positions in position order; aux is None
-        after a plain-decode graph that ran the proposer's follower. The first observe of a request that
-        started on cached blocks comes with num_computed_tokens past them: the proposer's state for those
-        blocks comes from the cache."""
+        after a plain-decode graph that ran the proposer's follower. inputs: the step's tokens, positions
+        and KV slots on the device when it ran eagerly (row for row with aux). The first observe of a
+        request that started on cached blocks comes with num_computed_tokens past them: the proposer's
+        state for those blocks comes from the cache."""
 
     def make_follower(self, max_seqs: int) -> Optional["Follower"]:
         """What the target's plain-decode CUDA graphs run after the model so that this proposer keeps up
