@@ -10,6 +10,9 @@ need rolling back in the draft cache.
 Prefix hits: the one pair that crosses into the first uncached block needs the target feature of the
 last cached position, which was not computed; every block keeps that row (`block_features`, aux_dim
 per block), so a request that starts on h cached blocks starts with h*block_size - 1 pairs done.
+
+Prompt chunks: the pairs a chunk completes are stored from the prompt step's own tensors as soon as it
+has run (`observe`), so a step after a prompt finds the draft one pair behind, as after any decode step.
 """
 from __future__ import annotations
 
