@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -25,6 +25,9 @@ from .eagle3_loop import LoopFlight
 from .shapes import PLAIN, Shape, candidate_shapes
 from .tree import DraftTree
 from .verify import Verdict
+
+if TYPE_CHECKING:
+    from ..engine.model_runner import StepTensors
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class SpecDecoder:
             start += len(verdicts[k].tokens)
         return result
 
-    def observe(self, aux: Optional[torch.Tensor], committed: list, inputs=None) -> None:
+    def observe(self, aux: Optional[torch.Tensor], committed: list, inputs: Optional["StepTensors"] = None) -> None:
         """What the target committed this step (see `Proposer.observe`)."""
         if committed:
             self.proposer.observe(aux, committed, inputs)
