@@ -1,9 +1,14 @@
-"""The few-row linear alone on a GPU: weight bytes read per second by F.linear (cuBLAS) and by the Triton
-kernel of `specserve/layers/triton_gemv.py` (its default launch and the ones given), per weight shape of the
+"""The few-row linear alone on a GPU: weight bytes read per second by F.linear (cuBLAS), by the same product
+in other orientations and BLAS libraries (`--blas`), and by the Triton kernel of
+`specserve/layers/triton_gemv.py` (its default launch and the ones given), per weight shape of the
 Llama-3.1-8B and Qwen3-30B-A3B shapes, at 1, 2 and 4 rows.
 
     python benchmarks/gemv_kernel.py --out gemv.json
     python benchmarks/gemv_kernel.py --rows 1 --launch 8,4 16,4 16,8 32,8 --out gemv.json   # BLOCK_N,num_warps
+    python benchmarks/gemv_kernel.py --rows 1 4 16 --blas wx lt xwt --no-triton --out blas.json
+
+`--blas`: `wx` = (W @ x.T).T, `lt` = F.linear with cuBLASLt preferred, `xwt` = x @ W.T stored contiguous
+([in, out]).
 
 Times are medians of CUDA-event timings of a CUDA graph that cycles through copies of the weight (at least
 256 MiB of them, so none is read from the 50 MiB L2), per call. bf16 throughout.
@@ -35,7 +40,18 @@ SHAPES = {  # name: (out features N, in features K)
 SPAN = 256 * 2**20  # bytes of weight copies a graph cycles through
 
 
-def cell(name: str, rows: int, launches: list, bandwidth: float) -> dict:
+def _with_lt(fn):
+    def call(w):
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return fn(w)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+    return call
+
+
+def cell(name: str, rows: int, launches: list, blas: list, bandwidth: float) -> dict:
     n, k = SHAPES[name]
     dev = torch.device("cuda")
     nbytes = n * k * 2
@@ -52,6 +68,14 @@ def cell(name: str, rows: int, launches: list, bandwidth: float) -> dict:
               f"= {entry['of_copy']:.0%} of copy", flush=True)
 
     run("F.linear", lambda w: F.linear(x, w))
+    if "wx" in blas:
+        run("(W @ x.T).T", lambda w: (w @ x.T).T)
+    if "lt" in blas:
+        run("F.linear lt", _with_lt(lambda w: F.linear(x, w)))
+    if "xwt" in blas:
+        transposed = {id(w): w.T.contiguous() for w in weights}  # [k, n] each
+        run("x @ Wt", lambda w: x @ transposed[id(w)])
+        del transposed
     for launch in launches:
         label = "gemv" if launch is None else f"gemv {launch[0]},{launch[1]}"
         run(label, lambda w, launch=launch: triton_gemv.gemv(x, w, launch=launch))
@@ -63,14 +87,17 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--launch", nargs="*", default=[], help="BLOCK_N,num_warps settings to try besides the default")
+    ap.add_argument("--blas", nargs="*", default=[], choices=("wx", "lt", "xwt"),
+                    help="other cuBLAS orientations / libraries beside F.linear")
+    ap.add_argument("--no-triton", action="store_true", help="leave the Triton kernel out")
     ap.add_argument("--out", default="gemv_kernel.json")
     args = ap.parse_args()
     ceil = ceilings("cuda")
-    launches = [None] + [tuple(int(v) for v in s.split(",")) for s in args.launch]
+    launches = [] if args.no_triton else [None] + [tuple(int(v) for v in s.split(",")) for s in args.launch]
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cells": []}
     for rows in args.rows:
         for name in args.shapes:
-            result["cells"].append(cell(name, rows, launches, ceil["copy_bytes_per_s"]))
+            result["cells"].append(cell(name, rows, launches, args.blas, ceil["copy_bytes_per_s"]))
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 

@@ -34,11 +34,16 @@ class PaddedRows:
     mask: torch.Tensor  # [rows, 1, max_q, max_kv] bool, True = may attend
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
-        keys = cache[0, self.kv_slots].transpose(1, 2)  # [rows, kv_heads, max_kv, head_dim]
-        values = cache[1, self.kv_slots].transpose(1, 2)
+        keys = self._gather(cache[0]).transpose(1, 2)  # [rows, kv_heads, max_kv, head_dim]
+        values = self._gather(cache[1]).transpose(1, 2)
         queries = q[self.query_index].transpose(1, 2)  # [rows, heads, max_q, head_dim]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2)[self.query_valid]  # [num_valid, heads, head_dim]
+
+    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """cache [slots, kv_heads, head_dim] at kv_slots -> [rows, max_kv, kv_heads, head_dim]. index_select on
+        the flat slots: on a CPU 2-4x faster than advanced indexing with the 2-D slot tensor."""
+        return cache.index_select(0, self.kv_slots.reshape(-1)).view(*self.kv_slots.shape, *cache.shape[1:])
 
 
 @dataclass
