@@ -2,7 +2,7 @@
 
     python benchmarks/sweep.py [--levels 1,2,5,10,30,70,100,250] [--requests 30] [--max-tokens 200] [--rounds 1]
                                [--prompts heldout|builtin] [--model PATH --draft PATH] [--device cpu|cuda]
-                               [--out sweep.json]
+                               [--out sweep.json] [--host-profile DIR]
 
 Prompts: `heldout` (default), the opening 128 tokens of each Python standard-library file the shipped
 target was not trained on (its corpus.json lists them; the shipped pair's natural workload, as in
@@ -13,6 +13,8 @@ pair's tokenizer rarely makes there, so drafts accept less.
 what a plain step of a speculative engine costs), plain-b (a second plain engine: how far apart two
 identical configurations measure on this machine, the noise floor of every ratio) and, to see what the
 overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
+`--host-profile DIR` runs each configuration's first round of each level under cProfile and writes its top
+host functions to DIR/CONFIG-cLEVEL.txt (the level's timing then includes the profiler's overhead).
 
 For each level C, each configuration keeps C requests in flight (closed loop) until `max(requests, C)`
 have finished, all configurations receiving the same prompts. Levels run configurations in turn, so
@@ -23,7 +25,10 @@ explanation (start-up step costs, chosen k and predicted goodput per batch bucke
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
 import sysconfig
 import time
 
@@ -95,6 +100,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="heldout", choices=("heldout", "builtin"))
     ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="where the held-out files are")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-profile", default="", help="folder for cProfile tables of each first round")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     configs = {k: v for k, v in configurations(args.draft).items() if k in args.configs.split(",")}
@@ -114,9 +120,19 @@ def main() -> None:
     results: dict = {name: {} for name in engines}
     for c in levels:
         runs: dict = {name: [] for name in engines}
-        for _ in range(args.rounds):  # interleaved, so the machine's noise hits every configuration alike
+        for r in range(args.rounds):  # interleaved, so the machine's noise hits every configuration alike
             for name, engine in engines.items():
+                host = cProfile.Profile() if args.host_profile and r == 0 else None
+                if host:
+                    host.enable()
                 runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens, prompts))
+                if host:
+                    host.disable()
+                    os.makedirs(args.host_profile, exist_ok=True)
+                    with open(os.path.join(args.host_profile, f"{name}-c{c}.txt"), "w") as f:
+                        stats = pstats.Stats(host, stream=f)
+                        stats.sort_stats("cumulative").print_stats(45)
+                        stats.sort_stats("tottime").print_stats(30)
         for name, rs in runs.items():
             results[name][c] = dict(sorted(rs, key=lambda r: r["output_throughput"])[len(rs) // 2],
                                     rounds=[round(r["output_throughput"], 1) for r in rs])
