@@ -182,9 +182,18 @@ if triton is not None:
                  mask=nmask)  # as the GEMM's epilogue rounds it
 
 
+DirectLaunch = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_N 0: `block_n`'s choice
+# (4, 1024, 4) / (8, 256, 4) measured faster on the H200 (Qwen3-30B-A3B shape, one token: up + down 31-32 us a
+# layer against 41) but failed test_direct_kernels_for_a_few_tokens[2-16-8] on CUDA, unexamined (docs/performance.md,
+# session 19): these stay until it is
+DIRECT_UP: DirectLaunch = (0, 128, 4)
+DIRECT_DOWN: DirectLaunch = (0, 128, 4)
+
+
 def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-            experts: torch.Tensor) -> torch.Tensor:
-    """`fused_experts` for a few tokens without the layout by expert: two launches."""
+            experts: torch.Tensor, up: DirectLaunch = DIRECT_UP, down: DirectLaunch = DIRECT_DOWN) -> torch.Tensor:
+    """`fused_experts` for a few tokens without the layout by expert: two launches (their settings:
+    benchmarks/moe_direct_kernel.py compares them)."""
     n, hidden = x.shape
     top_k = experts.shape[1]
     inter = w2.shape[2]
@@ -192,15 +201,15 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     flat_experts = experts.contiguous().view(-1)  # [n * top_k]
     scale = weights.contiguous().view(-1)  # [n * top_k]
     act = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
-    size = block_n(n * top_k * inter, count)
+    size = up[0] or block_n(n * top_k * inter, count)
     _direct_up[(n * top_k, triton.cdiv(inter, size))](
         x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
-        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=128, num_warps=4)
+        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], num_warps=up[2])
     part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
-    size = block_n(n * top_k * hidden, count)
+    size = down[0] or block_n(n * top_k * hidden, count)
     _direct_down[(n * top_k, triton.cdiv(hidden, size))](
         act, w2, flat_experts, scale, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        part.stride(0), BLOCK_N=size, BLOCK_K=128, num_warps=4)
+        part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2])
     return part.view(n, top_k, hidden).sum(1).to(x.dtype)  # [n, hidden]
 
 
