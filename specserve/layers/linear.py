@@ -170,7 +170,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         third of the work of a full projection where there are four query heads per KV head."""
         q_size = self.num_heads * self.head_dim
         bias = None if self.bias is None else self.bias[q_size:]
-        return linear(x, self.weight[q_size:], bias).chunk(2, dim=-1)
+        weight = self.weight[q_size:]
+        twin = getattr(self.weight, "reduced", None)
+        if twin is not None:  # the same rows of the twin, so few-row products read it here as in forward
+            weight.reduced = twin[q_size:]
+        return linear(x, weight, bias).chunk(2, dim=-1)
 
 
 class RowParallelLinear(LinearBase):
