@@ -5,6 +5,10 @@ scripts/corpus_packages.json; their code is read from this environment's install
 specserve's own dependencies provide, and the version read is reported).
 
     python benchmarks/default_pair.py [--files 94] [--package-files 96] [--rounds 3] [--out pair.json]
+                                      [--target DIR --draft DIR] [--skip-speed | --parse-only]
+
+`--parse-only` runs check 2 alone, on the target (greedy text does not depend on the draft), so a target
+can be judged before a drafter is trained for it.
 
 Per set:
 1. Acceptance: greedy continuations of each held-out file's opening, for a chain of 3 and a tree (topk 4,
@@ -164,15 +168,17 @@ def speed(llms: dict, prompts: list[list[int]], max_tokens: int, rounds: int) ->
 
 
 def evaluate(llms: dict, texts: list[tuple[str, str]], args) -> tuple[dict, list[list[int]]]:
-    """Acceptance of a chain and a tree and the ast parse rate on these held-out texts; their prompts."""
+    """Acceptance of a chain and a tree (when llms has them) and the ast parse rate on these held-out texts;
+    their prompts."""
     tok = llms["plain"].tokenizer
     prompts = [tok.encode(t)[:args.prompt_tokens] for _, t in texts]
     report: dict = {"held_out_files": len(texts)}
     for name in ("chain3", "tree4x8"):
-        report[name] = acceptance(llms[name], prompts, args.max_tokens)
-        print(name, report[name], flush=True)
+        if name in llms:
+            report[name] = acceptance(llms[name], prompts, args.max_tokens)
+            print(name, report[name], flush=True)
     headers = function_headers(texts, 50)
-    outs = llms["chain3"].generate([h for h, _ in headers],
+    outs = llms.get("chain3", llms["plain"]).generate([h for h, _ in headers],
                                    SamplingParams(temperature=0, max_tokens=128, stop=["\ndef ", "\nclass "]))
     parsed = sum(body_parses(h, ind, o.text, o.finish_reason == "length") for (h, ind), o in zip(headers, outs))
     report["ast_parse_rate"] = {"parsed": parsed, "total": len(headers)}
@@ -192,10 +198,12 @@ def main() -> None:
     ap.add_argument("--target", default=SHIPPED_TARGET, help="target folder (default: the shipped one)")
     ap.add_argument("--draft", default=SHIPPED_DRAFT, help="EAGLE-3 folder (default: the shipped one)")
     ap.add_argument("--skip-speed", action="store_true", help="acceptance and ast only")
+    ap.add_argument("--parse-only", action="store_true", help="the ast check alone, on the target (no draft needed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    llms = {name: LLM(args.target, **opts) for name, opts in configs(args.draft).items()}
+    wanted = ("plain",) if args.parse_only else tuple(configs(args.draft))
+    llms = {name: LLM(args.target, **opts) for name, opts in configs(args.draft).items() if name in wanted}
     print("held-out stdlib files", flush=True)
     report: dict = {}
     report["stdlib"], prompts = evaluate(llms, held_out_texts(args.stdlib, args.files, args.target), args)
@@ -204,7 +212,7 @@ def main() -> None:
         print("held-out packages", versions, flush=True)
         report["packages"], prompts = evaluate(llms, texts, args)
         report["packages"]["versions"] = versions
-    if not args.skip_speed:
+    if not (args.skip_speed or args.parse_only):
         report["speed_concurrency_1"] = speed(llms, prompts[:args.speed_prompts], args.max_tokens, args.rounds)
         report["speed_concurrency_1"]["on"] = "packages" if texts else "stdlib"
         print(json.dumps(report["speed_concurrency_1"], indent=1))

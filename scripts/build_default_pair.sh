@@ -6,7 +6,8 @@
 # The data steps (stdlib, packages) need this Python's stdlib and the package index: run them where both
 # are, e.g. `DATA_ONLY=1 bash scripts/build_default_pair.sh`, and carry OUT/stdlib and OUT/packages (~40 MB,
 # 6 MB as tar.xz) to a GPU machine that has neither; the training steps skip what is there.
-# PACKAGES=0 trains on the stdlib alone (the recipe of the pair shipped before issue 24).
+# PACKAGES=0 trains on the stdlib alone (the recipe of the pair shipped before issue 24); PACKAGE_CAP=N keeps at
+# most N bytes of each training package's code (pygments and networkx are half the packages' bytes uncapped).
 #   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
 #   model.safetensors) into specserve/assets/default/{target,eagle3}.
 set -euo pipefail
@@ -16,7 +17,9 @@ mkdir -p "$OUT"
 [ -d "$OUT/stdlib" ] || $PY scripts/pair_data.py stdlib --out "$OUT/stdlib"
 PKG=()
 if [ "${PACKAGES:-1}" != 0 ]; then
-  [ -f "$OUT/packages/manifest.json" ] || $PY scripts/pair_data.py packages --out "$OUT/packages"
+  CAP=()
+  [ -n "${PACKAGE_CAP:-}" ] && CAP=(--max-package-bytes "$PACKAGE_CAP")
+  [ -f "$OUT/packages/manifest.json" ] || $PY scripts/pair_data.py packages --out "$OUT/packages" ${CAP[@]+"${CAP[@]}"}
   PKG=(--packages "$OUT/packages")
 fi
 [ "${DATA_ONLY:-0}" != 0 ] && exit 0

@@ -2,9 +2,12 @@
 
     python scripts/pair_data.py stdlib --out DIR        copy this Python's non-test stdlib .py files
     python scripts/pair_data.py packages --list scripts/corpus_packages.json --out DIR [--wheels CACHE]
+                                         [--max-package-bytes N]
                                                         fetch the listed packages' wheels (needs the package
                                                         index) and write their code under DIR/{train,heldout}/
-                                                        NAME/, with DIR/manifest.json
+                                                        NAME/, with DIR/manifest.json; a training package's
+                                                        files (sorted) stop at N bytes, so that no package
+                                                        outweighs the rest
     python scripts/pair_data.py distill --stdlib DIR [--packages DIR] --out FILE
                                                         the draft's prompt text: training files (not
                                                         held out) whose sorted index % 3 != 2
@@ -79,9 +82,10 @@ def wheel_file(wheels: str, name: str, version: str) -> str:
     raise SystemExit(f"{name}=={version}: no wheel in {wheels}")
 
 
-def fetch_packages(listing: str, out: str, wheels: str) -> None:
+def fetch_packages(listing: str, out: str, wheels: str, max_bytes: int | None = None) -> None:
     """Download the listed wheels (py3-none-any, no dependencies) and write their code, deduplicated by
-    content across packages, under out/{train,heldout}/NAME/; out/manifest.json says what came from where."""
+    content across packages, under out/{train,heldout}/NAME/ (a training package's up to max_bytes);
+    out/manifest.json says what came from where."""
     packages = json.load(open(listing))["packages"]
     os.makedirs(wheels, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--python-version",
@@ -94,8 +98,11 @@ def fetch_packages(listing: str, out: str, wheels: str) -> None:
         with zipfile.ZipFile(path) as wheel:
             declared = declared_licence(wheel)
             check_licence(p["name"], p["licence"], declared)
-            files = size = duplicates = 0
+            files = size = duplicates = capped = 0
             for member in sorted(m for m in wheel.namelist() if is_code(m)):
+                if max_bytes is not None and p["split"] == "train" and size >= max_bytes:
+                    capped += 1
+                    continue
                 data = wheel.read(member)
                 digest = hashlib.sha1(data).hexdigest()
                 if digest in seen or not data.strip():
@@ -109,10 +116,11 @@ def fetch_packages(listing: str, out: str, wheels: str) -> None:
                 files, size = files + 1, size + len(data)
         manifest.append({**p, "declared_licence": declared, "wheel": os.path.basename(path),
                          "wheel_sha256": hashlib.sha256(open(path, "rb").read()).hexdigest(), "files": files,
-                         "bytes": size, "duplicates_skipped": duplicates})
+                         "bytes": size, "duplicates_skipped": duplicates, "files_past_cap": capped})
         print(f"{p['split']:8s} {p['name']}=={p['version']}: {files} files, {size:,} bytes")
     with open(os.path.join(out, "manifest.json"), "w") as f:
-        json.dump({"listing": os.path.basename(listing), "packages": manifest}, f, indent=1)
+        json.dump({"listing": os.path.basename(listing), "max_package_bytes": max_bytes, "packages": manifest}, f,
+                  indent=1)
 
 
 def distill_text(stdlib: str, out: str, packages: str | None = None) -> None:
@@ -134,13 +142,14 @@ def main() -> None:
     ap.add_argument("--packages", help="distill: the packages step's folder (its training packages join in)")
     ap.add_argument("--list", default=os.path.join(os.path.dirname(__file__), "corpus_packages.json"))
     ap.add_argument("--wheels", help="packages: where the wheels are downloaded (default: OUT/../wheels)")
+    ap.add_argument("--max-package-bytes", type=int, default=None, help="packages: cap on a training package's code")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.step == "stdlib":
         copy_stdlib(args.out)
     elif args.step == "packages":
         fetch_packages(args.list, args.out, args.wheels or os.path.join(os.path.dirname(os.path.abspath(args.out)),
-                                                                        "wheels"))
+                                                                        "wheels"), args.max_package_bytes)
     else:
         distill_text(args.stdlib, args.out, args.packages)
 
