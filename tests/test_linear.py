@@ -30,8 +30,6 @@ def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():
     assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
 
 
-
-
 def test_reduced_twins_serve_few_rows_of_weights_bf16_holds_exactly():
     """A bf16 checkpoint upcast to fp32 gets a bf16 twin; products of up to REDUCED_ROWS rows read it (inputs
     rounded to bf16), more rows the fp32 weight; a weight bf16 cannot hold exactly gets none."""
