@@ -37,6 +37,8 @@ def test_greedy_matches_transformers(hf_models, expected, arch, case):
     graphs = llm.engine.runner.graphs
     if DEVICE["name"] == "cuda" and case != "eager":
         assert graphs is not None and graphs.replays > 0, "decode steps should replay CUDA graphs"
+        if case in ("chunked_prefill", "small_batch"):  # steps within the smallest budgets: prompt chunks too
+            assert graphs.mixed_replays > 0, "steps with prompt chunks should replay mixed graphs"
     if case == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
     assert_pool_full(llm)

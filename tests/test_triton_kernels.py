@@ -426,3 +426,75 @@ def test_gumbel_argmax_equals_the_torch_path(monkeypatch):
     kernel, calls = triton_ops.gumbel_argmax, []
     monkeypatch.setattr(triton_ops, "gumbel_argmax", lambda *args: calls.append(1) or kernel(*args))
     assert torch.equal(seeded_tokens(logits, params, positions), want) and calls == [1]  # the kernel, on CUDA
+
+
+def mixed_case(tiles, rows, tokens, dev, rng, dtype, heads=6, kv_heads=2, head_dim=32, page=16, width=40):
+    """Fixed buffers of `rows` rows (+ the padding row) and `tokens` tokens, metadata over them with the mixed
+    tiles, and `fill(ctx_lens, q_lens)` that sets a step into them and returns its reference attention."""
+    i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.long, device=dev)
+    scratch = (rows + 1) * width * page
+    cache = torch.randn(2, scratch + page, kv_heads, head_dim, dtype=dtype, device=dev)
+    slots, bits = torch.full((tokens,), scratch, **i64), torch.zeros(tokens, **i64)
+    tables = torch.zeros(rows + 1, width, **i32)
+    seq_lens, q_lens_t, tree_lens = (torch.zeros(rows + 1, **i32) for _ in range(3))
+    xq = torch.zeros(tokens, heads, head_dim, dtype=dtype, device=dev)
+    xk, xv = (torch.zeros(tokens, kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
+    meta = triton_attention.static_triton_metadata(slots, tables, seq_lens, q_lens_t, bits, tree_lens, tokens,
+                                                   heads // kv_heads, page, cache[None], False, {},
+                                                   tiles=tiles.view(tokens))
+
+    def fill(ctx_lens, q_lens):
+        from specserve.layers.attention import new_token_slots, padded_tables
+
+        real, n = len(q_lens), sum(q_lens)
+        lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+        tabs, _ = random_tables(lens, page, rng, num_blocks=rows * width)
+        slots.fill_(scratch)
+        slots[:n].copy_(torch.tensor(new_token_slots(q_lens, lens, tabs, page)))
+        table = padded_tables(tabs)
+        tables[:real, :table.shape[1]].copy_(table)
+        seq_lens[:real].copy_(torch.tensor(lens))
+        q_lens_t[:real].copy_(torch.tensor(q_lens))
+        tiles.fill(q_lens, tokens)
+        for x in (xq, xk, xv):
+            x.normal_()
+        before = cache.clone()
+        ref = reference(q_lens, lens, tabs, page, None, xq[:n].float(), xk[:n].float(), xv[:n].float(),
+                        before.float(), head_dim ** -0.5)
+        return n, ref
+
+    return meta, (xq, xk, xv, cache, head_dim ** -0.5), fill
+
+
+MIXED_STEPS = [([0, 40, 7], [30, 1, 1]), ([100], [64]), ([3, 0, 250, 17], [1, 20, 1, 1]), ([9, 9], [1, 1])]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,tokens", [(4, 64), (8, 128)])
+def test_mixed_tiles_over_fixed_buffers(rows, tokens):
+    """Steps of prefill chunks beside decode tokens, set into fixed buffers with MixedTiles (the padding row's
+    tiles doing nothing): the torch backend's attention, step after step in the same buffers."""
+    dev, rng = torch.device(DEVICE["name"]), random.Random(rows)
+    tiles = triton_attention.MixedTiles(tokens, rows, 3, dev)
+    meta, args, fill = mixed_case(tiles, rows, tokens, dev, rng, torch.float32)
+    for ctx_lens, q_lens in MIXED_STEPS:
+        n, ref = fill(ctx_lens, q_lens)
+        out = meta.attend(*args)
+        err = (out[:n] - ref).norm() / ref.norm()
+        assert err < 1e-5, (ctx_lens, q_lens, err)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_tiles_in_a_cuda_graph(dtype):
+    """The same, captured once in a CUDA graph and replayed for each step."""
+    dev, rng, rows, tokens = torch.device("cuda"), random.Random(1), 4, 96
+    tiles = triton_attention.MixedTiles(tokens, rows, 3, dev)
+    meta, args, fill = mixed_case(tiles, rows, tokens, dev, rng, dtype)
+    fill(*MIXED_STEPS[0])
+    graphs, outputs = capture_all([()], lambda: meta.attend(*args))
+    for ctx_lens, q_lens in MIXED_STEPS:
+        n, ref = fill(ctx_lens, q_lens)
+        graphs[()].replay()
+        err = (outputs[()][:n].float() - ref).norm() / ref.norm()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (ctx_lens, q_lens, err)

@@ -1,15 +1,22 @@
-"""CUDA graphs of the target's decode and verify steps.
+"""CUDA graphs of the target's steps.
 
 One graph per (batch size, tokens per sequence): tokens per sequence is 1 for plain decoding and the
 node count of each speculative shape the controller may pick, so every k has its graphs. A step whose
 sequences all compute the same number of tokens (no prefill chunk) and whose batch fits is replayed
 from the smallest captured batch size that holds it; padding rows write their KV to a scratch slot
 that no block owns and attend to nothing. Inputs are copied into static buffers before each replay.
+
+Mixed graphs, one per token count of MIXED_TOKENS (key (0, tokens)), take the steps with prompt chunks: rows
+of any query lengths packed one after another, each sampling at most its last token (no drafts), replayed
+from the smallest token count that holds the step; the attention backend's tiles over the rows are refilled
+before each replay (`AttentionBackend.mixed_tiles`). Eagerly, such a step costs one host launch per kernel,
+which on a small model is most of the step.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +27,8 @@ from ..device import to_device
 from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
+
+MIXED_TOKENS = (32, 64, 128, 256, 512)  # token counts of the mixed graphs (each at most the step's token budget)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -75,8 +84,9 @@ class GraphRunner:
     def __init__(self, model, backend: AttentionBackend, kv_cache: torch.Tensor, block_size: int, max_bs: int,
                  max_blocks: int, tokens_per_seq: list[int], aux_layers: tuple[int, ...], group: int,
                  scratch_slot: int, device: torch.device, follow=None, pad_index: int = 0,
-                 max_graph_tokens: int = 2048):
+                 max_graph_tokens: int = 2048, mixed_tokens: tuple[int, ...] = ()):
         """backend: an attention backend with `graphs` (its `static_metadata` over the buffers below);
+        mixed_tokens: the token counts of the mixed graphs (none: steps with prompt chunks run eagerly);
         follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
         run, beside the model on a second stream and after it on their auxiliary hidden states, which they
         then do not output; pad_index: the request index its padding rows get; kv_cache: the model's
@@ -89,21 +99,28 @@ class GraphRunner:
         sizes = capture_sizes(max_bs)
         most = max(max_graph_tokens, max_bs)
         self.sizes = {q: [b for b in sizes if b * q <= most] for q in sorted(set(tokens_per_seq))}
-        most_tokens = max(b * q for q, bs in self.sizes.items() for b in bs)
+        self.mixed_tokens = tuple(sorted(mixed_tokens))
+        most_tokens = max([b * q for q, bs in self.sizes.items() for b in bs] + list(self.mixed_tokens))
         i32, i64 = dict(dtype=torch.int32, device=device), dict(dtype=torch.long, device=device)
         self.ids = torch.zeros(most_tokens, **i64)
         self.positions = torch.zeros(most_tokens, **i64)
         self.slots = torch.full((most_tokens,), scratch_slot, **i64)
         self.tree_bits = torch.zeros(most_tokens, **i64)
-        self.block_tables = torch.zeros(max_bs, max_blocks, **i32)
-        self.seq_lens = torch.zeros(max_bs, **i32)
-        self.tree_lens = torch.zeros(max_bs, **i32)
+        # row max_bs: the mixed graphs' padding row, whose seq_lens and q_lens stay 0
+        self.block_tables = torch.zeros(max_bs + 1, max_blocks, **i32)
+        self.seq_lens = torch.zeros(max_bs + 1, **i32)
+        self.tree_lens = torch.zeros(max_bs + 1, **i32)
         self.req_indices = torch.full((max_bs,), pad_index, **i64)  # follow's rows
         self.q_lens = {q: torch.full((max_bs,), q, **i32) for q in self.sizes}
+        self.max_bs = max_bs
+        self.mixed = backend.mixed_tiles(max(self.mixed_tokens), max_bs, group, device) if self.mixed_tokens else None
+        self.mixed_q_lens = torch.zeros(max_bs + 1, **i32)
+        self.logit_rows = torch.zeros(max_bs, **i64)  # mixed graphs: each sampling row's token
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.capture_seconds = 0.0
         self.replays = 0
+        self.mixed_replays = 0
 
     # ---- capture ------------------------------------------------------------------------------
     def _meta(self, bs: int, q: int):
@@ -112,7 +129,16 @@ class GraphRunner:
                                             self.q_lens[q][:bs], self.tree_bits[:n], self.tree_lens[:bs], q,
                                             self.group, self.block_size, self.kv_cache)
 
+    def _mixed_meta(self, tokens: int):
+        return self.backend.static_metadata(self.slots[:tokens], self.block_tables, self.seq_lens, self.mixed_q_lens,
+                                            self.tree_bits[:tokens], self.tree_lens, tokens, self.group,
+                                            self.block_size, self.kv_cache, tiles=self.mixed.view(tokens))
+
     def _run(self, bs: int, q: int):
+        if bs == 0:  # a mixed graph of q tokens
+            hidden, aux = self.model(self.ids[:q], self.positions[:q], self._mixed_meta(q), self.aux_layers)
+            aux = torch.cat(aux, dim=-1) if aux else None  # [q, aux_dim]
+            return self.model.compute_logits(hidden[self.logit_rows]).float(), aux
         n = bs * q
         follows = q == 1 and self.follow is not None
         if follows:  # the draft's share that needs no output of the model runs beside it
@@ -133,6 +159,7 @@ class GraphRunner:
         start = time.perf_counter()
         self.seq_lens.zero_()
         keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
+        keys += [(0, tokens) for tokens in reversed(self.mixed_tokens)]
         self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -141,16 +168,32 @@ class GraphRunner:
 
     # ---- replay -------------------------------------------------------------------------------
     def graph_for(self, step: StepInputs) -> tuple[int, int] | None:
+        """The key of the graph that replays this step: (batch size, tokens per sequence), or (0, tokens) for a
+        mixed graph; None: it runs eagerly."""
         q = step.q_lens[0]
-        if q not in self.sizes or any(n != q for n in step.q_lens) or len(step.logit_index) != len(step.ids):
+        if q in self.sizes and all(n == q for n in step.q_lens) and len(step.logit_index) == len(step.ids):
+            fits = [b for b in self.sizes[q] if b >= len(step.q_lens)]
+            if fits:
+                return fits[0], q
+        return self._mixed_for(step)
+
+    def _mixed_for(self, step: StepInputs) -> tuple[int, int] | None:
+        fits = [t for t in self.mixed_tokens if t >= len(step.ids)]
+        if not fits or len(step.q_lens) > self.max_bs or any(t is not None for t in step.trees):
             return None
-        fits = [b for b in self.sizes[q] if b >= len(step.q_lens)]
-        return (fits[0], q) if fits else None
+        ends = set(itertools.accumulate(step.q_lens))
+        if any(i + 1 not in ends for i in step.logit_index):  # a row samples more than its last token: a draft
+            return None
+        return 0, fits[0]
 
     @torch.inference_mode()
-    def replay(self, key: tuple[int, int], step: StepInputs, resolve=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fill the static inputs from step (resolve: fills in tokens still on the device) and replay."""
+    def replay(self, key: tuple[int, int], step: StepInputs, resolve=None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """Fill the static inputs from step (resolve: fills in tokens still on the device) and replay: the logits,
+        the auxiliary hidden states and, beside them after a mixed graph, the step's (ids, positions, slots)."""
         bs, q = key
+        if bs == 0:
+            return self._replay_mixed(q, step, resolve)
         real, n = len(step.q_lens), len(step.ids)
         slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
         tables = padded_tables(step.block_tables)  # [real, width]
@@ -179,4 +222,32 @@ class GraphRunner:
         self.replays += 1
         logits, aux = self.outputs[key]
         # the proposer keeps aux rows past this step and the next replay overwrites the static output
-        return logits[:n], (aux[:n].clone() if aux is not None else None)
+        return logits[:n], (aux[:n].clone() if aux is not None else None), None
+
+    def _replay_mixed(self, tokens: int, step: StepInputs, resolve) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                              tuple | None]:
+        real, n, rows = len(step.q_lens), len(step.ids), len(step.logit_index)
+        slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
+        tables = padded_tables(step.block_tables)  # [real, width]
+        longs = to_device(step.ids + step.positions + slots + step.logit_index + [0] * (self.max_bs - rows),
+                          torch.long, self.device)  # [3n + max_bs]
+        ints = to_device([step.seq_lens, step.q_lens], torch.int32, self.device)  # [2, real]
+        self.ids[:n].copy_(resolve(longs[:n]) if resolve is not None else longs[:n])
+        self.positions[:n].copy_(longs[n:2 * n])
+        self.slots[:n].copy_(longs[2 * n:3 * n])
+        self.slots[n:tokens].fill_(self.scratch_slot)
+        self.logit_rows.copy_(longs[3 * n:])
+        self.block_tables[:real, :tables.shape[1]].copy_(to_device(tables, torch.int32, self.device))
+        self.seq_lens[:real].copy_(ints[0])
+        self.mixed_q_lens[:real].copy_(ints[1])
+        self.tree_lens[:real].zero_()
+        self.mixed.fill(step.q_lens, tokens)
+        key = (0, tokens)
+        self.graphs[key].replay()
+        self.replays += 1
+        self.mixed_replays += 1
+        logits, aux = self.outputs[key]
+        if aux is None:
+            return logits[:rows], None, None
+        return logits[:rows], aux[:n].clone(), (self.ids[:n].clone(), self.positions[:n].clone(),
+                                                self.slots[:n].clone())

@@ -18,7 +18,7 @@ from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
-from .cuda_graph import GraphRunner, StepInputs
+from .cuda_graph import MIXED_TOKENS, GraphRunner, StepInputs
 from .distributed import Ranks
 from .sequence import ScheduledSeq, Sequence, TokenLogprob
 
@@ -131,9 +131,11 @@ class ModelRunner:
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         follow = self.follower if aux_layers else None
+        budget = self.config.scheduler.max_num_batched_tokens
         self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, self.block_size, ex.cuda_graph_max_bs,
                                   max_blocks, tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device,
-                                  follow, self.config.scheduler.max_num_seqs)
+                                  follow, self.config.scheduler.max_num_seqs,
+                                  mixed_tokens=tuple(sorted({min(t, budget) for t in MIXED_TOKENS})))
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
@@ -199,7 +201,7 @@ class ModelRunner:
         sampled = sum(1 for item in batch if item.samples) if publish else 0
         if self.graphs is not None and self.graphs.follow is not None:
             key = self.graphs.graph_for(step)
-            if key is not None and key[1] == 1:
+            if key is not None and key[0] > 0 and key[1] == 1:  # a plain-decode graph (not a mixed one)
                 self.follower.before_step([item.seq for item in batch])
         if drafts is not None:  # no step is in flight: the placeholders are draft tokens
             self.pending_tokens = drafts.view(-1)
@@ -238,7 +240,8 @@ class ModelRunner:
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
-            return *self.graphs.replay(key, step, self.resolve_pending), None
+            logits, aux, inputs = self.graphs.replay(key, step, self.resolve_pending)
+            return logits, aux, (StepTensors(*inputs) if inputs is not None else None)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
                                      self.group, trees, self.kv_cache)

@@ -97,11 +97,19 @@ class AttentionBackend:
 
     def static_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
-                        page: int, kv_cache: torch.Tensor, skip_first_key: bool = False):
+                        page: int, kv_cache: torch.Tensor, skip_first_key: bool = False, tiles=None):
         """Metadata of `batch` rows of q query slots each (q_lens[b] of them real): slot_mapping [batch * q]
         int64, block_tables [batch, max_blocks] int32, seq_lens / q_lens / tree_lens [batch] int32 (a row's
         kv length with its new tokens; 0 for a padding row), tree_bits [batch * q] int64 (`tree_bits`);
-        skip_first_key hides key 0 of every row (the EAGLE-3 draft stores pairs one slot late)."""
+        skip_first_key hides key 0 of every row (the EAGLE-3 draft stores pairs one slot late). tiles: for rows
+        of any query lengths packed one after another (a mixed step), the backend's own work split over them,
+        refilled by the host before each replay (the triton backend's: q_starts, tile_seq, tile_q0, block_q)."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
+
+    def mixed_tiles(self, max_tokens: int, max_rows: int, group: int, device: torch.device):
+        """The `tiles` of static metadata over rows of any query lengths, up to max_tokens tokens and max_rows rows
+        (engine/cuda_graph.py's mixed graphs): `view(tokens)` gives a graph's tiles, `fill(q_lens, tokens)` sets
+        a step's; row max_rows is a padding row that must keep seq_lens and q_lens 0."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graphs")
 
 
@@ -130,11 +138,16 @@ class TritonBackend(AttentionBackend):
                                      kv_cache)
 
     def static_metadata(self, slot_mapping, block_tables, seq_lens, q_lens, tree_bits, tree_lens, q, group, page,
-                        kv_cache, skip_first_key=False):
+                        kv_cache, skip_first_key=False, tiles=None):
         from .triton_attention import static_triton_metadata
 
         return static_triton_metadata(slot_mapping, block_tables, seq_lens, q_lens, tree_bits, tree_lens, q, group,
-                                      page, kv_cache, skip_first_key, self.constants)
+                                      page, kv_cache, skip_first_key, self.constants, tiles=tiles)
+
+    def mixed_tiles(self, max_tokens, max_rows, group, device):
+        from .triton_attention import MixedTiles
+
+        return MixedTiles(max_tokens, max_rows, group, device)
 
     @staticmethod
     def tree_bitmask(tree: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,52 @@ def tree_bits(trees: list[Optional[torch.Tensor]], q_lens: list[int], device: to
     return torch.cat(parts)
 
 
+def tiles_of(q_lens: list[int], block_q: int) -> tuple[list[int], list[int], list[int]]:
+    """Each sequence's first flat token (q_starts) and the tiles that cover its queries: per tile its sequence
+    and its first query within it, block_q queries a tile."""
+    q_starts, tile_seq, tile_q0, start = [], [], [], 0
+    for i, q in enumerate(q_lens):
+        q_starts.append(start)
+        tile_seq.extend([i] * -(-q // block_q))
+        tile_q0.extend(range(0, q, block_q))
+        start += q
+    return q_starts, tile_seq, tile_q0
+
+
+class MixedTiles:
+    """The tile tensors of steps whose rows have any query lengths (prefill chunks beside decode tokens), for
+    CUDA graphs of up to `max_tokens` tokens and `max_rows` rows: the host refills them before each replay
+    (`fill`). Row `max_rows` is the padding row (its seq_lens and q_lens entries stay 0): the tiles past a step's
+    own point at it and do nothing. A graph of `tokens` tokens launches `view(tokens)`'s tiles."""
+
+    def __init__(self, max_tokens: int, max_rows: int, group: int, device: torch.device):
+        self.block_q = block_q_for(max_tokens, group)
+        self.pad_row = max_rows
+        i32 = dict(dtype=torch.int32, device=device)
+        self.q_starts = torch.zeros(max_rows + 1, **i32)
+        self.tiles = torch.zeros(2, self._count(max_tokens), **i32)  # [tile_seq, tile_q0]
+        self.tiles[0].fill_(max_rows)
+
+    def _count(self, tokens: int) -> int:
+        return tokens // self.block_q + self.pad_row  # the most tiles `tiles_of` gives for `tokens` queries
+
+    def view(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """static_triton_metadata's `tiles` of a graph of `tokens` tokens."""
+        n = self._count(tokens)
+        return self.q_starts, self.tiles[0, :n], self.tiles[1, :n], self.block_q
+
+    def fill(self, q_lens: list[int], tokens: int) -> None:
+        """Set the tiles of a step of these rows (sum(q_lens) <= tokens, len(q_lens) <= max_rows) in a graph of
+        `tokens` tokens."""
+        q_starts, tile_seq, tile_q0 = tiles_of(q_lens, self.block_q)
+        pad = self._count(tokens) - len(tile_seq)
+        values = to_device(q_starts + tile_seq + [self.pad_row] * pad + tile_q0 + [0] * pad, torch.int32,
+                           self.q_starts.device)
+        rows, n = len(q_starts), len(tile_seq) + pad
+        self.q_starts[:rows].copy_(values[:rows])
+        self.tiles[:, :n].copy_(values[rows:].view(2, n))
+
+
 def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                           device: torch.device, group: int,
                           tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
@@ -239,16 +285,8 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
 
     batch = len(q_lens)
     block_q = block_q_for(max(q_lens), group)
-    q_starts, tree_lens, tile_seq, tile_q0 = [], [], [], []
-    start = 0
-    for i, q in enumerate(q_lens):
-        q_starts.append(start)
-        tree = tree_masks[i] if tree_masks is not None else None
-        tree_lens.append(tree.shape[1] if tree is not None else 0)
-        for q0 in range(0, q, block_q):
-            tile_seq.append(i)
-            tile_q0.append(q0)
-        start += q
+    q_starts, tile_seq, tile_q0 = tiles_of(q_lens, block_q)
+    tree_lens = [0 if tree_masks is None or tree_masks[i] is None else tree_masks[i].shape[1] for i in range(batch)]
 
     def t(values, dtype=torch.int32):
         return to_device(values, dtype, device)
@@ -267,20 +305,24 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
 def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
                            page: int, kv_cache: torch.Tensor, skip_first_key: bool,
-                           constants: dict, num_splits: Optional[int] = None) -> TritonMetadata:
+                           constants: dict, num_splits: Optional[int] = None, tiles=None) -> TritonMetadata:
     """The triton backend's metadata over fixed-shape device tensors (attention.AttentionBackend.static_metadata):
-    one tile per sequence of at most q <= 16 queries. `constants` caches the tile tensors per (batch, q).
+    one tile per sequence of at most q <= 16 queries (`constants` caches those tile tensors per (batch, q)), or
+    the given `tiles` (q_starts [batch], tile_seq, tile_q0 [num_tiles] int32, block_q), which the host refills.
     num_splits: key splits per tile; by default `auto_splits` at the longest context the block tables can hold
     (the kernel sizes each split's share from the live length, so shorter replays stay correct)."""
     bs, dev = seq_lens.shape[0], seq_lens.device
-    key = (bs, q, dev)
-    if key not in constants:  # made in a capture's warm-up run, outside the graph
-        i32 = dict(dtype=torch.int32, device=dev)
-        constants[key] = (torch.arange(0, bs * q, q, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
-    q_starts, tile_seq, tile_q0 = constants[key]
+    if tiles is not None:
+        q_starts, tile_seq, tile_q0, block_q = tiles
+    else:
+        key = (bs, q, dev)
+        if key not in constants:  # made in a capture's warm-up run, outside the graph
+            i32 = dict(dtype=torch.int32, device=dev)
+            constants[key] = (torch.arange(0, bs * q, q, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
+        (q_starts, tile_seq, tile_q0), block_q = constants[key], block_q_for(q, group)
     if num_splits is None:
-        num_splits = auto_splits(bs, block_tables.shape[1] * page, kv_cache, dev)
+        num_splits = auto_splits(tile_seq.shape[0], block_tables.shape[1] * page, kv_cache, dev)
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
                           q_lens=q_lens, tree_bits=tree_bits, tree_lens=tree_lens, tile_seq=tile_seq, tile_q0=tile_q0,
-                          block_q=block_q_for(q, group), page=page, skip_first_key=skip_first_key, kv_cache=kv_cache,
+                          block_q=block_q, page=page, skip_first_key=skip_first_key, kv_cache=kv_cache,
                           num_splits=num_splits)
