@@ -138,7 +138,8 @@ class GraphRunner:
         if bs == 0:  # a mixed graph of q tokens
             hidden, aux = self.model(self.ids[:q], self.positions[:q], self._mixed_meta(q), self.aux_layers)
             aux = torch.cat(aux, dim=-1) if aux else None  # [q, aux_dim]
-            return self.model.compute_logits(hidden[self.logit_rows]).float(), aux
+            rows = min(q, self.max_bs)  # a step of q tokens samples at most q rows
+            return self.model.compute_logits(hidden[self.logit_rows[:rows]]).float(), aux
         n = bs * q
         follows = q == 1 and self.follow is not None
         if follows:  # the draft's share that needs no output of the model runs beside it
