@@ -28,7 +28,9 @@ from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
 
-MIXED_TOKENS = (32, 64, 128, 256, 512)  # token counts of the mixed graphs (each at most the step's token budget)
+# token counts of the mixed graphs (each at most the step's token budget): above 128 tokens a step may be bound by
+# its GEMMs rather than its launches, so padding stays under a quarter of its tokens there
+MIXED_TOKENS = (32, 64, 128) + tuple(range(160, 513, 32))
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -227,6 +229,15 @@ class GraphRunner:
 
     def _replay_mixed(self, tokens: int, step: StepInputs, resolve) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                               tuple | None]:
+        self.fill_mixed(tokens, step, resolve)
+        key = (0, tokens)
+        self.graphs[key].replay()
+        self.replays += 1
+        self.mixed_replays += 1
+        return self.mixed_outputs(step, *self.outputs[key])
+
+    def fill_mixed(self, tokens: int, step: StepInputs, resolve=None) -> None:
+        """Set a step into the static inputs of the mixed graph of `tokens` tokens."""
         real, n, rows = len(step.q_lens), len(step.ids), len(step.logit_index)
         slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
         tables = padded_tables(step.block_tables)  # [real, width]
@@ -243,11 +254,11 @@ class GraphRunner:
         self.mixed_q_lens[:real].copy_(ints[1])
         self.tree_lens[:real].zero_()
         self.mixed.fill(step.q_lens, tokens)
-        key = (0, tokens)
-        self.graphs[key].replay()
-        self.replays += 1
-        self.mixed_replays += 1
-        logits, aux = self.outputs[key]
+
+    def mixed_outputs(self, step: StepInputs, logits: torch.Tensor, aux: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """A mixed graph's outputs cut to the step: its logits rows, aux rows and (ids, positions, slots)."""
+        n, rows = len(step.ids), len(step.logit_index)
         if aux is None:
             return logits[:rows], None, None
         return logits[:rows], aux[:n].clone(), (self.ids[:n].clone(), self.positions[:n].clone(),

@@ -183,6 +183,8 @@ class TritonMetadata:
         if not kv_written:
             cache[0, self.slot_mapping] = k
             cache[1, self.slot_mapping] = v
+        if q.stride(-1) != 1:  # the kernel reads a head's values side by side (a CPU linear's output is not)
+            q = q.contiguous()
         out = torch.empty_like(q)
         (tokens, heads, head_dim), kv_heads, splits = q.shape, k.shape[1], self.num_splits
         if splits == 1:

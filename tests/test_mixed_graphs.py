@@ -1,0 +1,114 @@
+"""Mixed CUDA graphs (engine/cuda_graph.py): steps of prompt chunks beside decode tokens, set into a mixed graph's
+static inputs, compute what the same steps compute eagerly. The graph's body runs under Triton's interpreter
+or on CUDA; on CUDA the captured graph replays the steps too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.cuda_graph import GraphRunner, StepInputs
+from specserve.layers.attention import TritonBackend, new_token_slots
+from specserve.layers.triton_attention import build_triton_metadata
+from specserve.models import load_model
+
+from .conftest import DEVICE, kernel_marks, make_hf_checkpoint
+
+needs_kernels, _ = kernel_marks()
+PAGE, AUX = 16, (1, 2)
+TABLES = [[0, 1], [2], [3, 4, 5, 6, 7]]  # three sequences' blocks
+
+
+def step_of(ids: list[list[int]], starts: list[int], samples: list[bool]) -> StepInputs:
+    """A step computing ids[i] at positions starts[i].. of sequence i; rows that sample take their last token."""
+    flat, positions, logit_index = [], [], []
+    for seq_ids, start, sample in zip(ids, starts, samples):
+        flat += seq_ids
+        positions += range(start, start + len(seq_ids))
+        if sample:
+            logit_index.append(len(flat) - 1)
+    q_lens = [len(x) for x in ids]
+    seq_lens = [s + q for s, q in zip(starts, q_lens)]
+    return StepInputs(flat, positions, q_lens, seq_lens, TABLES[:len(ids)], [None] * len(ids), logit_index,
+                      list(range(len(ids))))
+
+
+def eager(model, step: StepInputs, cache: torch.Tensor, group: int, dev: torch.device):
+    meta = build_triton_metadata(step.q_lens, step.seq_lens, step.block_tables, PAGE, dev, group, kv_cache=cache)
+    ids = torch.tensor(step.ids, device=dev)
+    hidden, aux = model(ids, torch.tensor(step.positions, device=dev), meta, AUX)
+    return model.compute_logits(hidden[torch.tensor(step.logit_index, dtype=torch.long, device=dev)]).float(), \
+        torch.cat(aux, dim=-1)
+
+
+@needs_kernels
+def test_mixed_graph_runs_the_eager_step(tmp_path):
+    dev = torch.device(DEVICE["name"])
+    model = load_model(make_hf_checkpoint(str(tmp_path / "m"), "llama", seed=3), torch.float32, dev)
+    layer = model.attention_layers()[0]
+    group = layer.num_heads // layer.num_kv_heads
+    scratch = 16 * PAGE
+    cache = torch.zeros(len(model.attention_layers()), 2, scratch + 1, layer.num_kv_heads, layer.head_dim,
+                        device=dev)
+    runner = GraphRunner(model, TritonBackend(), cache, PAGE, 4, 8, [1], AUX, group, scratch, dev,
+                         mixed_tokens=(32, 64))
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(2, 200, (n,), generator=g).tolist()
+
+    with torch.inference_mode():
+        eager(model, step_of([tokens(20), tokens(9), tokens(10)], [0, 0, 0], [True, True, False]), cache, group, dev)
+        steps = [step_of([tokens(1), tokens(1), tokens(28)], [20, 9, 10], [True, True, False]),  # 30 tokens: graph 32
+                 step_of([tokens(1), tokens(1), tokens(40)], [21, 10, 38], [True, True, True])]  # 42: graph 64
+        for step in steps:
+            key = runner.graph_for(step)
+            assert key == (0, 32 if len(step.ids) <= 32 else 64)
+            want_logits, want_aux = eager(model, step, cache, group, dev)
+            runner.fill_mixed(key[1], step)
+            logits, aux, (ids, positions, slots) = runner.mixed_outputs(step, *runner._run(*key))
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
+            assert ids.tolist() == step.ids and positions.tolist() == step.positions
+            assert slots.tolist() == new_token_slots(step.q_lens, step.seq_lens, step.block_tables, PAGE)
+
+
+def test_steps_a_mixed_graph_takes():
+    """Steps with a draft (a row sampling more than its last token), a tree or too many tokens run eagerly."""
+    runner = GraphRunner.__new__(GraphRunner)
+    runner.sizes, runner.mixed_tokens, runner.max_bs = {1: [1, 2, 4]}, (32, 64), 4
+    assert runner.graph_for(step_of([[5], [6]], [3, 4], [True, True])) == (2, 1)  # decode: a uniform graph
+    assert runner.graph_for(step_of([[5], [6] * 10], [3, 0], [True, True])) == (0, 32)
+    assert runner.graph_for(step_of([[5] * 65], [0], [True])) is None
+    drafted = step_of([[5], [6] * 4], [3, 7], [True, True])
+    drafted.logit_index = [0, 1, 2, 3, 4]  # the second row verifies 4 tokens
+    assert runner.graph_for(drafted) is None
+    tree = step_of([[5], [6] * 10], [3, 0], [True, True])
+    tree.trees = [None, torch.ones(10, 10, dtype=torch.bool)]
+    assert runner.graph_for(tree) is None
+    assert runner.graph_for(step_of([[5]] * 5, [1] * 5, [True] * 5)) is None  # more rows than the graphs hold
+
+
+@pytest.mark.skipif(DEVICE["name"] != "cuda", reason="CUDA graphs")
+def test_mixed_graph_replays_the_eager_step(tmp_path):
+    dev = torch.device("cuda")
+    model = load_model(make_hf_checkpoint(str(tmp_path / "m"), "llama", seed=4), torch.float32, dev)
+    layer = model.attention_layers()[0]
+    group = layer.num_heads // layer.num_kv_heads
+    scratch = 16 * PAGE
+    cache = torch.zeros(len(model.attention_layers()), 2, scratch + 1, layer.num_kv_heads, layer.head_dim,
+                        device=dev)
+    runner = GraphRunner(model, TritonBackend(), cache, PAGE, 4, 8, [1], AUX, group, scratch, dev,
+                         mixed_tokens=(32, 64))
+    runner.capture()
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        eager(model, step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in (20, 9, 10)], [0, 0, 0],
+                             [True, True, False]), cache, group, dev)
+        for starts, sizes in (([20, 9, 10], (1, 1, 28)), ([21, 10, 38], (1, 1, 40))):
+            step = step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in sizes], starts,
+                           [True, True, True])
+            want_logits, want_aux = eager(model, step, cache, group, dev)
+            logits, aux, _ = runner.replay(runner.graph_for(step), step)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
+    assert runner.mixed_replays == 2
