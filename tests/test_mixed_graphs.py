@@ -40,10 +40,10 @@ def eager(model, step: StepInputs, cache: torch.Tensor, group: int, dev: torch.d
         torch.cat(aux, dim=-1)
 
 
-@needs_kernels
-def test_mixed_graph_runs_the_eager_step(tmp_path):
-    dev = torch.device(DEVICE["name"])
-    model = load_model(make_hf_checkpoint(str(tmp_path / "m"), "llama", seed=3), torch.float32, dev)
+def model_and_runner(path: str, seed: int, dev: torch.device):
+    """A tiny random Llama, its KV cache (16 blocks + the scratch slot) and a GraphRunner with mixed graphs of 32
+    and 64 tokens for up to 4 rows (not captured); and the query heads per KV head."""
+    model = load_model(make_hf_checkpoint(path, "llama", seed=seed), torch.float32, dev)
     layer = model.attention_layers()[0]
     group = layer.num_heads // layer.num_kv_heads
     scratch = 16 * PAGE
@@ -51,6 +51,13 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
                         device=dev)
     runner = GraphRunner(model, TritonBackend(), cache, PAGE, 4, 8, [1], AUX, group, scratch, dev,
                          mixed_tokens=(32, 64))
+    return model, cache, runner, group
+
+
+@needs_kernels
+def test_mixed_graph_runs_the_eager_step(tmp_path):
+    dev = torch.device(DEVICE["name"])
+    model, cache, runner, group = model_and_runner(str(tmp_path / "m"), 3, dev)
     g = torch.Generator().manual_seed(0)
 
     def tokens(n):
@@ -91,14 +98,7 @@ def test_steps_a_mixed_graph_takes():
 @pytest.mark.skipif(DEVICE["name"] != "cuda", reason="CUDA graphs")
 def test_mixed_graph_replays_the_eager_step(tmp_path):
     dev = torch.device("cuda")
-    model = load_model(make_hf_checkpoint(str(tmp_path / "m"), "llama", seed=4), torch.float32, dev)
-    layer = model.attention_layers()[0]
-    group = layer.num_heads // layer.num_kv_heads
-    scratch = 16 * PAGE
-    cache = torch.zeros(len(model.attention_layers()), 2, scratch + 1, layer.num_kv_heads, layer.head_dim,
-                        device=dev)
-    runner = GraphRunner(model, TritonBackend(), cache, PAGE, 4, 8, [1], AUX, group, scratch, dev,
-                         mixed_tokens=(32, 64))
+    model, cache, runner, group = model_and_runner(str(tmp_path / "m"), 4, dev)
     runner.capture()
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
