@@ -12,7 +12,8 @@ pair's tokenizer rarely makes there, so drafts accept less.
 `--configs` picks among plain, chain, tree, threshold, adaptive, k0 (speculation on but never drafting:
 what a plain step of a speculative engine costs), plain-b (a second plain engine: how far apart two
 identical configurations measure on this machine, the noise floor of every ratio) and, to see what the
-overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`).
+overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`), and to
+see what mixed CUDA graphs buy, plain-eager-prompts and adaptive-eager-prompts (`cuda_graph_max_tokens=0`).
 `--host-profile DIR` runs each configuration's first round of each level under cProfile and writes its top
 host functions to DIR/CONFIG-cLEVEL.txt (the level's timing then includes the profiler's overhead).
 
@@ -62,6 +63,9 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
                               speculative_policy="adaptive"),  # plain, chains of 1-5 and the tree
         "k0": dict(spec, speculative_num_steps=3, speculative_policy="threshold",  # never drafts
                    speculative_disable_batch_threshold=0),
+        "plain-eager-prompts": dict(speculative_algorithm="none", cuda_graph_max_tokens=0),  # no mixed graphs
+        "adaptive-eager-prompts": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
+                                       cuda_graph_max_tokens=0),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
         "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
                               disable_overlap_schedule=True),

@@ -65,6 +65,8 @@ class ExecutionConfig:
                                   ("auto", "torch", "triton"))
     enforce_eager: bool = _opt(False, "run every step eagerly (no CUDA graphs)")
     cuda_graph_max_bs: Optional[int] = _opt(None, "largest batch replayed from CUDA graphs (default: max_num_seqs)")
+    cuda_graph_max_tokens: int = _opt(512, "largest step with prompt chunks replayed from a mixed CUDA graph "
+                                           "(0: such steps run eagerly)")
     disable_overlap_schedule: bool = _opt(False, "finish each step before preparing the next (no overlap of "
                                                  "host work with plain decode steps)")
 
@@ -255,6 +257,8 @@ class EngineConfig:
                 raise ConfigError(f"option {name} must be >= 1, got {value}")
         if self.execution.cuda_graph_max_bs is not None and self.execution.cuda_graph_max_bs < 1:
             raise ConfigError(f"option cuda_graph_max_bs must be >= 1, got {self.execution.cuda_graph_max_bs}")
+        if self.execution.cuda_graph_max_tokens < 0:
+            raise ConfigError(f"option cuda_graph_max_tokens must be >= 0, got {self.execution.cuda_graph_max_tokens}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
         for name in ("kv_host_ratio", "kv_host_size_gb"):

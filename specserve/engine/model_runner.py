@@ -131,11 +131,11 @@ class ModelRunner:
         aux_layers = self._own_aux(aux_layers)
         max_blocks = -(-(self.config.model.max_model_len + max(tokens_per_seq)) // self.block_size) + 1
         follow = self.follower if aux_layers else None
-        budget = self.config.scheduler.max_num_batched_tokens
+        cap = min(self.config.scheduler.max_num_batched_tokens, ex.cuda_graph_max_tokens)
         self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, self.block_size, ex.cuda_graph_max_bs,
                                   max_blocks, tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device,
                                   follow, self.config.scheduler.max_num_seqs,
-                                  mixed_tokens=tuple(sorted({min(t, budget) for t in MIXED_TOKENS})))
+                                  mixed_tokens=tuple(sorted({min(t, cap) for t in MIXED_TOKENS} - {0})))
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
