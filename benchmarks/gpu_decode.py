@@ -126,8 +126,10 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
     t0 = time.perf_counter()
     llm = start_engine(args, context)
     engine = llm.engine
-    out = {"startup_s": time.perf_counter() - t0, "capture_s": engine.runner.graphs.capture_seconds,
-           "num_graphs": len(engine.runner.graphs.graphs), "max_model_len": engine.config.model.max_model_len,
+    graphs = engine.runner.graphs
+    out = {"startup_s": time.perf_counter() - t0, "capture_s": graphs.capture_seconds,
+           "capture_mib": graphs.capture_bytes / 2**20,
+           "num_graphs": len(graphs.graphs), "max_model_len": engine.config.model.max_model_len,
            "kv_tokens": engine.runner.num_blocks * engine.runner.block_size, "decode": {}, "verify_cost": {}}
     gen = torch.Generator().manual_seed(0)
     for batch in batches:

@@ -119,6 +119,11 @@ def main() -> None:
         prompts = [tokenizer.encode(text[:2000])[:128] for _, text in held_out_texts(args.stdlib, 94)]
         if not prompts:
             raise SystemExit(f"no held-out files under {args.stdlib}: pass --stdlib or --prompts builtin")
+    for name, engine in engines.items():
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            print(f"{name}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
+                  f"{graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
     for engine in engines.values():  # warm-up
         run_level(engine, 2, 4, 16, prompts)
     results: dict = {name: {} for name in engines}

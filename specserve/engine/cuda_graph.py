@@ -121,6 +121,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.capture_seconds = 0.0
+        self.capture_bytes = 0
         self.replays = 0
         self.mixed_replays = 0
 
@@ -159,14 +160,16 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> float:
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.seq_lens.zero_()
         keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
         keys += [(0, tokens) for tokens in reversed(self.mixed_tokens)]
         self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), self.capture_seconds)
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        log.info("captured %d CUDA graphs in %.1f s (%.0f MiB)", len(self.graphs), self.capture_seconds,
+                 self.capture_bytes / 2**20)
         return self.capture_seconds
 
     # ---- replay -------------------------------------------------------------------------------
