@@ -6,8 +6,10 @@
 # The data steps (stdlib, packages) need this Python's stdlib and the package index: run them where both
 # are, e.g. `DATA_ONLY=1 bash scripts/build_default_pair.sh`, and carry OUT/stdlib and OUT/packages (~40 MB,
 # 6 MB as tar.xz) to a GPU machine that has neither; the training steps skip what is there.
-# PACKAGES=0 trains on the stdlib alone (the recipe of the pair shipped before issue 24); PACKAGE_CAP=N keeps at
-# most N bytes of each training package's code (pygments and networkx are half the packages' bytes uncapped).
+# PACKAGES=0 trains on the stdlib alone (the shipped pair's recipe: `PACKAGES=0 bash scripts/build_default_pair.sh`);
+# PACKAGE_CAP=N keeps at most N bytes of each training package's code (pygments and networkx are half the
+# packages' bytes uncapped); TARGET_SHAPE="--hidden-size 320 --intermediate-size 864 --num-hidden-layers 8
+# --num-attention-heads 10 --num-key-value-heads 2" trains issue 24's W candidate instead of the shipped shape.
 #   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
 #   model.safetensors) into specserve/assets/default/{target,eagle3}.
 set -euo pipefail
@@ -23,8 +25,10 @@ if [ "${PACKAGES:-1}" != 0 ]; then
   PKG=(--packages "$OUT/packages")
 fi
 [ "${DATA_ONLY:-0}" != 0 ] && exit 0
+# the target's shape: the shipped one unless TARGET_SHAPE gives train_target.py's shape flags
+read -r -a SHAPE <<< "${TARGET_SHAPE:---hidden-size 192 --intermediate-size 512 --num-hidden-layers 12 --num-attention-heads 6 --num-key-value-heads 2}"
 $PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/target" --device cuda \
-  --hidden-size 256 --intermediate-size 704 --num-hidden-layers 10 --num-attention-heads 8 --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
+  "${SHAPE[@]}" --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
   --eval-windows 256 --eval-ast 50 --seed 0
 $PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
 PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
