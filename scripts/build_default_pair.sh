@@ -5,7 +5,9 @@
 # CPython 3.11.7's stdlib copied from the development machine (step 1 ran there, the rest on the H200).
 # The data steps (stdlib, packages) need this Python's stdlib and the package index: run them where both
 # are, e.g. `DATA_ONLY=1 bash scripts/build_default_pair.sh`, and carry OUT/stdlib and OUT/packages (~40 MB,
-# 6 MB as tar.xz) to a GPU machine that has neither; the training steps skip what is there.
+# 6 MB as tar.xz) to a GPU machine that has neither; the training steps skip what is there. TARGET_ONLY=1 stops
+# after the target, so that several targets can train side by side (drafters are best trained one at a time:
+# two at once ran ~10x slower on the H200); a second run then trains the drafter of the target it finds.
 # PACKAGES=0 trains on the stdlib alone (the shipped pair's recipe: `PACKAGES=0 bash scripts/build_default_pair.sh`);
 # PACKAGE_CAP=N keeps at most N bytes of each training package's code (pygments and networkx are half the
 # packages' bytes uncapped); TARGET_SHAPE="--hidden-size 320 --intermediate-size 864 --num-hidden-layers 8
@@ -27,9 +29,10 @@ fi
 [ "${DATA_ONLY:-0}" != 0 ] && exit 0
 # the target's shape: the shipped one unless TARGET_SHAPE gives train_target.py's shape flags
 read -r -a SHAPE <<< "${TARGET_SHAPE:---hidden-size 192 --intermediate-size 512 --num-hidden-layers 12 --num-attention-heads 6 --num-key-value-heads 2}"
-$PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/target" --device cuda \
-  "${SHAPE[@]}" --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 --warmup-steps 100 --log-every 200 --eval-every 250 \
-  --eval-windows 256 --eval-ast 50 --seed 0
+[ -f "$OUT/target/model.safetensors" ] || $PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} \
+  --out "$OUT/target" --device cuda "${SHAPE[@]}" --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 \
+  --warmup-steps 100 --log-every 200 --eval-every 250 --eval-windows 256 --eval-ast 50 --seed 0
+[ "${TARGET_ONLY:-0}" != 0 ] && exit 0
 $PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
 PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
   --out "$OUT/eagle3" --steps 2200 --batch-size 32 --seq-len 256 --ttt-steps 4 --lr 1e-3 \
