@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specserve import ConfigError
+from specserve.config import EngineConfig
 from specserve.engine.cuda_graph import GraphRunner, StepInputs
 from specserve.layers.attention import TritonBackend, new_token_slots
 from specserve.layers.triton_attention import build_triton_metadata
@@ -112,3 +114,9 @@ def test_mixed_graph_replays_the_eager_step(tmp_path):
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
     assert runner.mixed_replays == 2
+
+
+def test_cuda_graph_max_tokens_is_checked():
+    with pytest.raises(ConfigError, match="cuda_graph_max_tokens must be >= 0, got -1"):
+        EngineConfig.from_options(cuda_graph_max_tokens=-1)
+    assert EngineConfig.from_options(cuda_graph_max_tokens=0).execution.cuda_graph_max_tokens == 0
