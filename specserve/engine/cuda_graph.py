@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 MIXED_TOKENS = (32, 64, 128) + tuple(range(160, 513, 32))
 
 
+def mixed_token_counts(most: int) -> tuple[int, ...]:
+    """The mixed graphs' token counts for steps of at most `most` tokens (MIXED_TOKENS capped; none for 0)."""
+    return tuple(sorted({min(t, most) for t in MIXED_TOKENS} - {0}))
+
+
 def capture_sizes(max_bs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 16))
     return sizes if sizes[-1] == max_bs else sizes + [max_bs]

@@ -18,7 +18,7 @@ from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
-from .cuda_graph import MIXED_TOKENS, GraphRunner, StepInputs
+from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts
 from .distributed import Ranks
 from .sequence import ScheduledSeq, Sequence, TokenLogprob
 
@@ -135,7 +135,7 @@ class ModelRunner:
         self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, self.block_size, ex.cuda_graph_max_bs,
                                   max_blocks, tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device,
                                   follow, self.config.scheduler.max_num_seqs,
-                                  mixed_tokens=tuple(sorted({min(t, cap) for t in MIXED_TOKENS} - {0})))
+                                  mixed_tokens=mixed_token_counts(cap))
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
