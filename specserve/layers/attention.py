@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -191,51 +192,52 @@ def padded_tables(block_tables: list[list[int]]) -> torch.Tensor:
 def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int,
                    device: torch.device, tree_masks: Optional[list[Optional[torch.Tensor]]] = None,
                    kv_cache: Optional[torch.Tensor] = None) -> AttentionMetadata:
-    """The torch backend's metadata (see `AttentionBackend.metadata`)."""
-    max_blocks = -(-max(seq_lens) // block_size)
-    tables = torch.zeros(len(q_lens), max_blocks, dtype=torch.long)
-    slots, starts, start = [], [], 0
-    for i, (q, n, table) in enumerate(zip(q_lens, seq_lens, block_tables)):
-        tables[i, :len(table)] = torch.tensor(table[:max_blocks], dtype=torch.long)
-        pos = torch.arange(n - q, n)
-        slots.append(tables[i, pos // block_size] * block_size + pos % block_size)
-        starts.append(start)
-        start += q
+    """The torch backend's metadata (see `AttentionBackend.metadata`). Built in numpy: on a CPU a step's few
+    dozen small index operations cost ~1 us each there against 5-10 us as torch operations."""
+    q, n = np.asarray(q_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)  # [batch]
+    max_blocks = -(-int(n.max()) // block_size)
+    tables = np.zeros((len(q_lens), max_blocks), dtype=np.int64)  # [batch, max_blocks]
+    for i, table in enumerate(block_tables):
+        tables[i, :min(len(table), max_blocks)] = table[:max_blocks]
+    starts = np.cumsum(q) - q  # [batch] first flat token index of each sequence
+    row = np.repeat(np.arange(len(q_lens)), q)  # [num_tokens]
+    pos = np.arange(int(q.sum())) - starts[row] + (n - q)[row]  # [num_tokens] position of each new token
+    slots = tables[row, pos // block_size] * block_size + pos % block_size
     by_length: dict[int, list[int]] = {}
-    for i, q in enumerate(q_lens):
-        by_length.setdefault(max(0, (q - 1).bit_length() - 4), []).append(i)  # 1-16 together, then 17-32, ...
-    groups = [_padded_rows(rows, q_lens, seq_lens, starts, tables, block_size, tree_masks, device)
+    for i, length in enumerate(q_lens):
+        by_length.setdefault(max(0, (length - 1).bit_length() - 4), []).append(i)  # 1-16 together, then 17-32, ...
+    groups = [_padded_rows(np.asarray(rows), q, n, starts, tables, block_size, tree_masks, device)
               for _, rows in sorted(by_length.items())]
-    return AttentionMetadata(slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+    return AttentionMetadata(slot_mapping=_tensor(slots, device), block_tables=_tensor(tables, device),
                              groups=groups, kv_cache=kv_cache)
 
 
-def _padded_rows(rows: list[int], q_lens: list[int], seq_lens: list[int], starts: list[int], tables: torch.Tensor,
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _padded_rows(rows: np.ndarray, q: np.ndarray, n: np.ndarray, starts: np.ndarray, tables: np.ndarray,
                  block_size: int, tree_masks: Optional[list[Optional[torch.Tensor]]],
                  device: torch.device) -> PaddedRows:
     """The padded tensors of one group of rows (indices into the step's sequences)."""
-    max_q, max_kv = max(q_lens[i] for i in rows), max(seq_lens[i] for i in rows)
-    qidx = torch.zeros(len(rows), max_q, dtype=torch.long)
-    qvalid = torch.zeros(len(rows), max_q, dtype=torch.bool)
-    qpos = torch.zeros(len(rows), max_q, dtype=torch.long)
-    kvlen = torch.tensor([seq_lens[i] for i in rows], dtype=torch.long)
-    for r, i in enumerate(rows):
-        q, n = q_lens[i], seq_lens[i]
-        qidx[r, :q] = torch.arange(starts[i], starts[i] + q)
-        qvalid[r, :q] = True
-        qpos[r, :q] = torch.arange(n - q, n)
-    key = torch.arange(max_kv)
-    kv_slots = tables[rows][:, key // block_size] * block_size + key % block_size
-    mask = (key[None, None, :] <= qpos[:, :, None]) & (key[None, None, :] < kvlen[:, None, None])
+    q_rows, n_rows = q[rows], n[rows]  # [rows]
+    j = np.arange(int(q_rows.max()))  # [max_q]
+    key = np.arange(int(n_rows.max()))  # [max_kv]
+    qvalid = j[None, :] < q_rows[:, None]  # [rows, max_q]
+    qidx = np.where(qvalid, starts[rows][:, None] + j[None, :], 0)
+    qpos = np.where(qvalid, (n_rows - q_rows)[:, None] + j[None, :], 0)
+    kv_slots = tables[rows][:, key // block_size] * block_size + key % block_size  # [rows, max_kv]
+    mask = (key[None, None, :] <= qpos[:, :, None]) & (key[None, None, :] < n_rows[:, None, None])
     if tree_masks is not None:
         for r, i in enumerate(rows):
             tree = tree_masks[i]
             if tree is not None:
-                q, n, m = q_lens[i], seq_lens[i], tree.shape[1]
-                mask[r, :q, n - m:n] = tree.cpu()
+                m = tree.shape[1]
+                mask[r, :q[i], n[i] - m:n[i]] = tree.cpu().numpy()
     mask |= ~qvalid[:, :, None] & (key[None, None, :] == 0)  # padded rows attend somewhere: no NaN
-    return PaddedRows(out_index=qidx[qvalid].to(device), query_index=qidx.to(device), query_valid=qvalid.to(device),
-                      kv_slots=kv_slots.to(device), mask=mask.unsqueeze(1).to(device))
+    return PaddedRows(out_index=_tensor(qidx[qvalid], device), query_index=_tensor(qidx, device),
+                      query_valid=_tensor(qvalid, device), kv_slots=_tensor(kv_slots, device),
+                      mask=_tensor(mask[:, None], device))
 
 
 class Attention(nn.Module):

@@ -16,6 +16,7 @@ has run (`observe`), so a step after a prompt finds the draft one pair behind, a
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -234,7 +235,11 @@ class Eagle3Proposer(Proposer):
         else:
             logits, hidden = self._catch_up(seqs, shape.steps)  # [B, draft_vocab], [B, H]
             base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
-            cands = self.grow(logits, hidden, shape, lambda *a: self._expand(seqs, base, *a))
+            expand = functools.partial(self._expand, seqs, base)
+            if shape.topk == 1:
+                return device_chains(self._ids([s.token_ids[-1] for s in seqs]),
+                                     self.grow_chain(logits, hidden, shape.steps, expand))
+            cands = self.grow(logits, hidden, shape, expand)
         roots = [s.token_ids[-1] for s in seqs]
         if shape.topk == 1:  # a chain keeps every candidate, in order: its tokens need not leave the device
             return device_chains(self._ids(roots), cands[0])
@@ -288,6 +293,18 @@ class Eagle3Proposer(Proposer):
             ancestors = torch.cat([prev, torch.eye(k, dtype=torch.bool, device=dev).expand(batch, k, k)], dim=2)
             expanded = offset + pick
         return torch.cat(cand_tokens, 1), torch.cat(cand_scores, 1), torch.cat(cand_parents, 1)
+
+    def grow_chain(self, logits: torch.Tensor, hidden: torch.Tensor, steps: int, expand) -> torch.Tensor:
+        """`grow` for a chain (topk 1), in fewer operations: each depth's draft is its parent's argmax, and a
+        chain's tree mask is causal order, so `expand` gets no ancestors. Returns [B, steps] target ids."""
+        batch = logits.shape[0]
+        drafts = [logits.argmax(-1, keepdim=True)]  # [B, 1] draft ids
+        h = hidden.unsqueeze(1)  # [B, 1, H]
+        for depth in range(1, steps):
+            logits, h = expand(depth, self.draft.to_target_ids(drafts[-1]), h, None)
+            drafts.append(logits.argmax(-1, keepdim=True))
+            h = h.view(batch, 1, -1)
+        return self.draft.to_target_ids(torch.cat(drafts, 1))
 
     @torch.inference_mode()
     def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
@@ -364,7 +381,7 @@ class Eagle3Proposer(Proposer):
     def _expand(self, seqs, base, depth, tokens, h_in, ancestors):
         """Run the draft on the K nodes being expanded at this depth (scratch slots past the prefix)."""
         batch, k = tokens.shape
-        masks = [ancestors[b] for b in range(batch)]  # [K, depth*K]
+        masks = None if ancestors is None else [ancestors[b] for b in range(batch)]  # [K, depth*K]
         seq_lens = (base + depth * k).tolist()
         meta = self._metadata([k] * batch, seq_lens, seqs, masks)
         positions = self._ids((base + depth - 1).repeat_interleave(k))
