@@ -228,6 +228,7 @@ class Eagle3Proposer(Proposer):
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         for seq in seqs:
             self.state(seq)
+        roots = [s.token_ids[-1] for s in seqs]
         if self.graphs is not None and self.graphs.fits(seqs, shape, settled=False):
             self.last_catch_up = sum(s.num_computed_tokens - s.draft_state.computed for s in seqs)
             self.settle(seqs, self.graphs.q)
@@ -237,10 +238,8 @@ class Eagle3Proposer(Proposer):
             base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
             expand = functools.partial(self._expand, seqs, base)
             if shape.topk == 1:
-                return device_chains(self._ids([s.token_ids[-1] for s in seqs]),
-                                     self.grow_chain(logits, hidden, shape.steps, expand))
+                return device_chains(self._ids(roots), self.grow_chain(logits, hidden, shape.steps, expand))
             cands = self.grow(logits, hidden, shape, expand)
-        roots = [s.token_ids[-1] for s in seqs]
         if shape.topk == 1:  # a chain keeps every candidate, in order: its tokens need not leave the device
             return device_chains(self._ids(roots), cands[0])
         return select_trees(roots, *cands, self.candidate_depths(shape), shape.num_nodes)
