@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import os
 import sys
 
 from .config import ConfigError, EngineConfig, option_table
@@ -120,15 +119,7 @@ def add_serve_command(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def sleeping_openmp_workers() -> None:
-    """A server shares the CPU among the engine's OpenMP workers, its HTTP event loop and often its clients;
-    workers that spin between parallel regions starve them (2-core CPU: engine steps 1.3-1.7x their
-    in-process time). The workers sleep instead unless OMP_WAIT_POLICY is set; read once, when torch loads."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    sleeping_openmp_workers()  # before anything imports torch
     from .engine.machine import resolve_config
     from .server.options import server_options
 

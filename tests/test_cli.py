@@ -4,7 +4,6 @@ without a traceback, and a server with `--access-log` logs its requests and repo
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import socket
 import subprocess
@@ -69,29 +68,6 @@ def test_missing_model_folder_is_one_line_before_the_server_starts(tmp_path):
     result = run_cli("serve", "--model", missing, "--port", "0")
     assert time.monotonic() - t0 < 30
     assert missing in one_line_error(result)
-
-
-SERVE_THREADS_PROBE = """
-import os, sys
-from specserve import cli
-seen = []
-def probe(inner=cli.sleeping_openmp_workers):
-    seen.append("torch" in sys.modules)
-    inner()
-cli.sleeping_openmp_workers = probe
-cli.main(["serve", "--model", sys.argv[1], "--port", "0"])
-print(seen, os.environ.get("OMP_WAIT_POLICY"))
-"""
-
-
-@pytest.mark.parametrize("user_policy, expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_serve_sets_openmp_workers_to_sleep_before_torch_loads(tmp_path, user_policy, expected):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if user_policy is not None:
-        env["OMP_WAIT_POLICY"] = user_policy
-    result = subprocess.run([sys.executable, "-c", SERVE_THREADS_PROBE, str(tmp_path / "no-model")],
-                            capture_output=True, text=True, env=env, timeout=120)
-    assert result.stdout.strip().splitlines()[-1] == f"[False] {expected}", result.stdout + result.stderr
 
 
 def test_busy_port_names_the_port_and_the_flag(model):
