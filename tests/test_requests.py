@@ -168,6 +168,40 @@ def test_async_engine_streams_and_aborts(hf_models):
         engine.shutdown()
 
 
+def test_async_engine_builds_its_engine_in_the_thread_that_steps_it(hf_models, tmp_path, monkeypatch):
+    """torch's CPU workers belong to the thread that starts them: building in one thread and stepping in another
+    leaves two sets, and then all of them sleep between operations."""
+    import threading
+
+    from specserve.engine import async_engine
+
+    threads = {}
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, config):
+            threads["built"] = threading.current_thread().name
+            super().__init__(config)
+
+        def step(self):
+            threads["stepped"] = threading.current_thread().name
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+    engine = AsyncEngine(EngineConfig.from_options(**engine_options(model=hf_models["llama"])))
+
+    async def one():
+        return [out async for out in engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=2))]
+
+    try:
+        assert asyncio.run(one())[-1].finished
+    finally:
+        engine.shutdown()
+    assert threads == {"built": "specserve-engine", "stepped": "specserve-engine"}
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):  # raised in the engine thread, re-raised here
+        AsyncEngine(EngineConfig.from_options(model=str(tmp_path / "empty")))
+
+
 def test_token_ids_outside_the_vocabulary_in_options_are_refused_before_any_work(tmp_path):
     """logit_bias and stop_token_ids name tokens: one outside the vocabulary is a clear error at
     add_request, not a failure inside a step that other requests share."""
