@@ -238,8 +238,9 @@ class Eagle3Proposer(Proposer):
             base = torch.tensor([s.num_computed_tokens for s in seqs])  # n: the root's position
             expand = functools.partial(self._expand, seqs, base)
             if shape.topk == 1:
-                return device_chains(self._ids(roots), self.grow_chain(logits, hidden, shape.steps, expand))
-            cands = self.grow(logits, hidden, shape, expand)
+                cands = (self.grow_chain(logits, hidden, shape.steps, expand),)
+            else:
+                cands = self.grow(logits, hidden, shape, expand)
         if shape.topk == 1:  # a chain keeps every candidate, in order: its tokens need not leave the device
             return device_chains(self._ids(roots), cands[0])
         return select_trees(roots, *cands, self.candidate_depths(shape), shape.num_nodes)
