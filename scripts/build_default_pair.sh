@@ -12,7 +12,7 @@
 # PACKAGE_CAP=N keeps at most N bytes of each training package's code (pygments and networkx are half the
 # packages' bytes uncapped); TARGET_SHAPE="--hidden-size 320 --intermediate-size 864 --num-hidden-layers 8
 # --num-attention-heads 10 --num-key-value-heads 2" trains issue 24's W candidate instead of the shipped shape;
-# SEED=N (default 0) seeds both trainings.
+# SEED=N (default 0) seeds both trainings; TARGET_STEPS=N (default 1000) sets the target's training steps.
 #   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
 #   model.safetensors) into specserve/assets/default/{target,eagle3}.
 set -euo pipefail
@@ -31,7 +31,7 @@ fi
 # the target's shape: the shipped one unless TARGET_SHAPE gives train_target.py's shape flags
 read -r -a SHAPE <<< "${TARGET_SHAPE:---hidden-size 192 --intermediate-size 512 --num-hidden-layers 12 --num-attention-heads 6 --num-key-value-heads 2}"
 [ -f "$OUT/target/model.safetensors" ] || $PY scripts/train_target.py --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} \
-  --out "$OUT/target" --device cuda "${SHAPE[@]}" --batch-size 64 --seq-len 512 --steps 1000 --lr 3e-3 \
+  --out "$OUT/target" --device cuda "${SHAPE[@]}" --batch-size 64 --seq-len 512 --steps "${TARGET_STEPS:-1000}" --lr 3e-3 \
   --warmup-steps 100 --log-every 200 --eval-every 250 --eval-windows 256 --eval-ast 50 --seed "${SEED:-0}"
 [ "${TARGET_ONLY:-0}" != 0 ] && exit 0
 $PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
