@@ -150,6 +150,9 @@ def add_train_draft_command(sub) -> None:
     t.add_argument("--lr", type=float, default=5e-4, help="AdamW lr (5e-4 suits tiny drafts; EAGLE-3 uses 5e-5 at 8B)")
     t.add_argument("--draft-vocab-size", type=int, default=None, help="default: min(target vocab, 32000)")
     t.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    t.add_argument("--aux-layer-ids", type=int, nargs=3, default=None, metavar="I",
+                   help="the target layers (0-based) whose outputs the draft reads, low, mid, high (the checkpoint's "
+                   "eagle_aux_hidden_state_layer_ids; default: EAGLE-3's 1, L/2 - 1, L - 4 for L layers)")
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     t.add_argument("--seed", type=int, default=0)
@@ -165,6 +168,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from .train.eagle3 import TrainOptions, train
 
     opts = {k: v for k, v in vars(args).items() if k in TrainOptions.__dataclass_fields__}
+    if opts.get("aux_layer_ids") is not None:
+        opts["aux_layer_ids"] = tuple(opts["aux_layer_ids"])
     last = train(TrainOptions(**opts))
     if last:
         print(f"step {last['step']}: loss {last['loss']:.4f}, accuracy per step "

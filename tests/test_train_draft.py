@@ -84,6 +84,28 @@ def test_resume(setup):
     assert torch.load(os.path.join(out, "checkpoint.pt"), weights_only=True)["step"] == 5
 
 
+def test_aux_layer_ids_choose_the_features_up_to_the_last_layer(setup, capsys):
+    """--aux-layer-ids picks the target layers the draft reads, the last layer's output included; the
+    checkpoint records them, speculation with it stays lossless, and ids outside the target are refused."""
+    from specserve.cli import main
+
+    root, target, data = setup
+    out = str(root / "aux")
+    assert main(["train-draft", "--target", target, "--data", data, "--out", out, "--steps", "30",
+                 "--aux-layer-ids", "0", "2", "3", *ARGS]) == 0
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(target).generate(prompts, params)]
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=out,
+                   speculative_num_steps=3, speculative_eagle_topk=1, speculative_policy="always")
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert main(["train-draft", "--target", target, "--data", data, "--out", str(root / "bad"), "--steps", "1",
+                 "--aux-layer-ids", "0", "2", "4", *ARGS]) != 0
+    assert "aux layer ids [0, 2, 4]: three layers of 0..3" in capsys.readouterr().err
+
+
 def test_ttt_matches_inference_and_grads_flow(setup):
     """Step 0 of the unroll is the draft run causally over the row; the cache writes keep the graph, so a
     later step's loss reaches the keys cached at earlier steps."""

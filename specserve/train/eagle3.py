@@ -44,6 +44,7 @@ class TrainOptions:
     grad_clip: float = 0.5
     draft_vocab_size: Optional[int] = None
     intermediate_size: Optional[int] = None
+    aux_layer_ids: Optional[tuple[int, ...]] = None  # target layers (0-based) whose outputs the draft reads
     num_heads: Optional[int] = None
     num_kv_heads: Optional[int] = None
     device: str = "auto"
@@ -97,8 +98,8 @@ class _Embedding(nn.Module):
 
 
 def draft_config(arch: ArchConfig, draft_vocab: int, opts: TrainOptions) -> Eagle3Config:
-    """The draft's shape from the target's (flags may override heads and MLP width), reading the default
-    aux layers; `aux_layer_ids` is stored in the checkpoint's "output of layer i" convention."""
+    """The draft's shape from the target's (flags may override heads, MLP width and the aux layers, else
+    EAGLE-3's default); `aux_layer_ids` is stored in the checkpoint's "output of layer i" convention."""
     c = Eagle3Config(
         hidden_size=arch.hidden_size, target_hidden_size=arch.hidden_size,
         intermediate_size=opts.intermediate_size or arch.intermediate_size,
@@ -106,7 +107,9 @@ def draft_config(arch: ArchConfig, draft_vocab: int, opts: TrainOptions) -> Eagl
         head_dim=arch.head_dim if not opts.num_heads else arch.hidden_size // opts.num_heads,
         rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling,
         max_position_embeddings=arch.max_position_embeddings, vocab_size=arch.vocab_size,
-        draft_vocab_size=draft_vocab, aux_layer_ids=None)
+        draft_vocab_size=draft_vocab, aux_layer_ids=opts.aux_layer_ids)
+    if opts.aux_layer_ids is not None:
+        return c
     return replace(c, aux_layer_ids=tuple(i - 1 for i in c.target_aux_layers(arch.num_layers)))
 
 
@@ -199,6 +202,9 @@ def train(opts: TrainOptions) -> dict:
     device = pick_device(opts.device)
     torch.manual_seed(opts.seed)
     arch = ArchConfig.from_dict(read_config(opts.target))
+    if opts.aux_layer_ids is not None and (len(opts.aux_layer_ids) != 3
+                                           or not all(0 <= i < arch.num_layers for i in opts.aux_layer_ids)):
+        raise ValueError(f"aux layer ids {list(opts.aux_layer_ids)}: three layers of 0..{arch.num_layers - 1}")
     if opts.seq_len + opts.ttt_steps > arch.max_position_embeddings:
         raise ValueError(f"seq-len {opts.seq_len} + ttt-steps exceeds the target's "
                          f"{arch.max_position_embeddings} positions")
