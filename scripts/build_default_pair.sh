@@ -12,7 +12,8 @@
 # PACKAGE_CAP=N keeps at most N bytes of each training package's code (pygments and networkx are half the
 # packages' bytes uncapped); TARGET_SHAPE="--hidden-size 320 --intermediate-size 864 --num-hidden-layers 8
 # --num-attention-heads 10 --num-key-value-heads 2" trains issue 24's W candidate instead of the shipped shape;
-# SEED=N (default 0) seeds both trainings; TARGET_STEPS=N (default 1000) sets the target's training steps.
+# SEED=N (default 0) seeds both trainings; TARGET_STEPS=N (default 1000) sets the target's training steps;
+# DRAFT_ARGS="..." adds `specserve train-draft` flags (a later flag wins: DRAFT_ARGS="--intermediate-size 2048").
 #   bash scripts/build_default_pair.sh [OUT]   then copy OUT/target and OUT/eagle3 (config.json,
 #   model.safetensors) into specserve/assets/default/{target,eagle3}.
 set -euo pipefail
@@ -37,4 +38,5 @@ read -r -a SHAPE <<< "${TARGET_SHAPE:---hidden-size 192 --intermediate-size 512 
 $PY scripts/pair_data.py distill --stdlib "$OUT/stdlib" ${PKG[@]+"${PKG[@]}"} --out "$OUT/distill.txt"
 PYTHONPATH=. $PY -m specserve.cli train-draft --target "$OUT/target" --data "$OUT/distill.txt" \
   --out "$OUT/eagle3" --steps 2200 --batch-size 32 --seq-len 256 --ttt-steps 4 --lr 1e-3 \
-  --intermediate-size 1024 --device cuda --self-distill 64 --save-every 200 --no-progress --seed "${SEED:-0}"
+  --intermediate-size 1024 --device cuda --self-distill 64 --save-every 200 --no-progress --seed "${SEED:-0}" \
+  ${DRAFT_ARGS:-}
