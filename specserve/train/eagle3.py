@@ -108,8 +108,6 @@ def draft_config(arch: ArchConfig, draft_vocab: int, opts: TrainOptions) -> Eagl
         rms_norm_eps=arch.rms_norm_eps, rope_theta=arch.rope_theta, rope_scaling=arch.rope_scaling,
         max_position_embeddings=arch.max_position_embeddings, vocab_size=arch.vocab_size,
         draft_vocab_size=draft_vocab, aux_layer_ids=opts.aux_layer_ids)
-    if opts.aux_layer_ids is not None:
-        return c
     return replace(c, aux_layer_ids=tuple(i - 1 for i in c.target_aux_layers(arch.num_layers)))
 
 
