@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -33,10 +34,14 @@ _spec.loader.exec_module(train_target)
 
 
 def copy_stdlib(out: str) -> None:
-    _, files = train_target.find_stdlib_files()
+    """This Python's non-test stdlib .py files into out, with out/SOURCE.json naming the Python they came from
+    (the training step, often on another machine, records it in the target's corpus.json)."""
+    root, files = train_target.find_stdlib_files()
     for rel, full in files:
         os.makedirs(os.path.dirname(os.path.join(out, rel)), exist_ok=True)
         shutil.copy(full, os.path.join(out, rel))
+    with open(os.path.join(out, train_target.STDLIB_SOURCE), "w") as f:
+        json.dump({"python_version": platform.python_version(), "stdlib_path": root}, f, indent=2)
     print(f"{len(files)} files -> {out}")
 
 

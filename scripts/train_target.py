@@ -119,6 +119,20 @@ def is_heldout(rel):
     return hashlib.sha1(rel.encode("utf-8")).hexdigest()[-1] in "01"
 
 
+STDLIB_SOURCE = "SOURCE.json"  # written beside a copied stdlib by `scripts/pair_data.py stdlib`
+
+
+def stdlib_source(root):
+    """(python_version, stdlib path) the stdlib under root came from: its SOURCE.json when it is a copy,
+    else this Python's."""
+    marker = os.path.join(root, STDLIB_SOURCE)
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            source = json.load(f)
+        return source["python_version"], source["stdlib_path"]
+    return platform.python_version(), root
+
+
 def find_stdlib_files(root=None):
     """Sorted (relative posix path, absolute path) of non-test stdlib .py files."""
     root = root or sysconfig.get_paths()["stdlib"]
@@ -478,7 +492,8 @@ def main(argv=None):
     train_data, n_chat = build_stream(tok, train_docs, args.chat_frac, args.seed, chat_chars=3 * args.seq_len)
     held_data, _ = build_stream(tok, held_docs, 0.0, args.seed, 0)
     held_pkg_data = build_stream(tok, held_pkg_docs, 0.0, args.seed, 0)[0] if held_pkg_docs else None
-    corpus = {"python_version": platform.python_version(), "stdlib_path": root,
+    python_version, stdlib_path = stdlib_source(root)
+    corpus = {"python_version": python_version, "stdlib_path": stdlib_path,
               "train_files": len(train_docs), "heldout_files": len(held_docs), "chat_samples": n_chat,
               "train_tokens": len(train_data), "heldout_tokens": len(held_data),
               "heldout_rule": "sha1(relative posix path).hexdigest()[-1] in '01'",

@@ -65,3 +65,20 @@ def test_held_out_packages_stay_out_of_training_and_texts_are_kept_once(tmp_path
     assert [rel for rel, _ in held_packages] == ["pkg:beta/beta/n.py"]
     assert not any(rel.startswith("pkg:beta") for rel in names)
     assert [p["name"] for p in train_target.package_manifest(str(tmp_path / "pk"))] == ["alpha", "beta"]
+
+
+def test_a_copied_stdlib_names_the_python_it_came_from(tmp_path, monkeypatch):
+    """The stdlib step runs on one machine and training on another: corpus.json must name the copy's Python,
+    not the trainer's."""
+    pair_data, train_target = script("pair_data"), script("train_target")
+    src = tmp_path / "lib"
+    (src / "json").mkdir(parents=True)
+    (src / "json" / "decoder.py").write_text("x = 1\n")
+    (src / "test_skip.py").write_text("y = 2\n")
+    monkeypatch.setattr(pair_data.train_target.sysconfig, "get_paths", lambda: {"stdlib": str(src)})
+    monkeypatch.setattr(pair_data.platform, "python_version", lambda: "3.99.1")
+    out = tmp_path / "copy"
+    pair_data.copy_stdlib(str(out))
+    assert (out / "json" / "decoder.py").is_file() and not (out / "test_skip.py").exists()
+    assert train_target.stdlib_source(str(out)) == ("3.99.1", str(src))
+    assert train_target.stdlib_source(str(src))[1] == str(src)  # not a copy: this Python's own
