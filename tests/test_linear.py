@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.linear import REDUCED_ROWS, ReplicatedLinear, keep_reduced_twins, linear
+from specserve.layers.linear import FEW_ROWS, REDUCED_ROWS, ReplicatedLinear, keep_reduced_twins, linear
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (4, 48), (3, 1, 48), (2, 5, 48), (300, 48)])
@@ -19,6 +19,19 @@ def test_linear_is_f_linear(shape, bias):
     got = linear(x, w, b)
     assert got.shape == (*shape[:-1], 72)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, 4, FEW_ROWS, FEW_ROWS + 1])
+def test_few_rows_in_any_layout_give_a_row_major_result(rows):
+    """A product's input may be a transposed view (another op's output); the result is F.linear's and row-major
+    whatever the input's layout, so that the next product gets row-major rows: MKL's few-row kernel read a
+    transposed input 2-3x slower (docs/performance.md, session 28)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(72, 48, generator=gen)
+    for x in (torch.randn(rows, 48, generator=gen), torch.randn(48, rows, generator=gen).T):
+        got = linear(x, w)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():

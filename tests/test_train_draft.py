@@ -140,3 +140,24 @@ def test_ttt_matches_inference_and_grads_flow(setup):
               build_metadata([4], [8], [[0]], 8, torch.device("cpu"), kv_cache=cache))
     (grad,) = torch.autograd.grad(out.sum(), k0)
     assert grad.abs().sum() > 0
+
+
+def test_learning_rate_schedules_by_worked_example():
+    from specserve.train.eagle3 import TrainOptions, learning_rate
+
+    opts = TrainOptions(target="t", data=[], out="o", steps=12, lr=1e-3, lr_schedule="cosine", warmup_steps=1)
+    lrs = [learning_rate(opts, s) for s in range(12)]
+    assert lrs[0] == pytest.approx(1e-3)  # one warm-up step: (0 + 1) / 1 of lr
+    assert lrs[1] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)  # cosine from lr to a tenth
+    assert lrs[6] == pytest.approx(1e-4 + 0.9e-3 * 0.5)  # halfway through the cosine: the mean of its ends
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    warm = TrainOptions(target="t", data=[], out="o", steps=100, lr=2e-3, warmup_steps=4)
+    assert [learning_rate(warm, s) for s in (0, 1, 3, 4, 99)] == pytest.approx([5e-4, 1e-3, 2e-3, 2e-3, 2e-3])
+
+
+def test_an_unknown_lr_schedule_is_named(setup):
+    from specserve.train.eagle3 import TrainOptions, train
+
+    root, target, data = setup
+    with pytest.raises(ValueError, match="lr schedule 'linear'"):
+        train(TrainOptions(target=target, data=[data], out=str(root / "bad"), lr_schedule="linear"))

@@ -28,6 +28,7 @@ def _attach(param: nn.Parameter | None, loader) -> None:
         param.weight_loader = loader
 
 
+FEW_ROWS = 128  # fp32 products of 2..FEW_ROWS rows on a CPU are computed as (weight @ x.T).T (`linear`)
 REDUCED_ROWS = 4  # products of up to this many rows read a weight's bf16 twin (`keep_reduced_twins`)
 
 
@@ -45,10 +46,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if twin is not None and x.numel() <= REDUCED_ROWS * x.shape[-1]:
         y = F.linear(x.to(twin.dtype), twin).to(x.dtype)
         return y if bias is None else y + bias
-    if x.numel() == x.shape[-1]:
-        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # [m, in]
-    y = (weight @ rows.T).T  # [m, out]
+    if not 1 < rows.shape[0] <= FEW_ROWS:
+        return F.linear(x, weight, bias)
+    y = (weight @ rows.contiguous().T).T.contiguous()  # [m, out]
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])

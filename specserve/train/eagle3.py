@@ -13,6 +13,7 @@ to the draft vocabulary (renormalised), weighted 0.8**s.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +29,8 @@ from ..speculative.eagle3 import Eagle3Config, Eagle3Draft
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "train_log.jsonl"
+LR_SCHEDULES = ("constant", "cosine")
+MIN_LR_RATIO = 0.1
 
 
 @dataclass
@@ -40,6 +43,8 @@ class TrainOptions:
     seq_len: int = 256
     ttt_steps: int = 7
     lr: float = 5e-4
+    lr_schedule: str = "constant"  # or "cosine": from lr down to lr * MIN_LR_RATIO at the last step
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over the first steps
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     draft_vocab_size: Optional[int] = None
@@ -175,6 +180,17 @@ def ttt_loss(draft: Eagle3Draft, ids: torch.Tensor, feats: torch.Tensor, logits:
     return total, losses, accs, counts
 
 
+def learning_rate(opts: "TrainOptions", step: int) -> float:
+    """The lr of 0-based step `step`: a linear warm-up, then constant or a cosine to lr * MIN_LR_RATIO
+    at the last step (a function of the step alone, so that a resumed run continues the schedule)."""
+    if step < opts.warmup_steps:
+        return opts.lr * (step + 1) / opts.warmup_steps
+    if opts.lr_schedule == "constant":
+        return opts.lr
+    done = (step - opts.warmup_steps) / max(1, opts.steps - 1 - opts.warmup_steps)
+    return opts.lr * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
 # ---- saving ----------------------------------------------------------------------------------------
 
 def save_draft(draft: Eagle3Draft, t2d: torch.Tensor, out: str, arch: ArchConfig, dtype: torch.dtype) -> None:
@@ -197,6 +213,10 @@ def train(opts: TrainOptions) -> dict:
 
     from .data import draft_vocabulary, pack_rows, self_distill_rows, tokenize_files
 
+    if opts.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {opts.lr_schedule!r}: one of {', '.join(LR_SCHEDULES)}")
+    if opts.warmup_steps < 0:
+        raise ValueError(f"warmup steps {opts.warmup_steps} must be >= 0")
     device = pick_device(opts.device)
     torch.manual_seed(opts.seed)
     arch = ArchConfig.from_dict(read_config(opts.target))
@@ -253,6 +273,8 @@ def train(opts: TrainOptions) -> dict:
             batch = rows[order[cursor:cursor + opts.batch_size]].to(device)
             cursor += opts.batch_size
             feats, logits = target_outputs(target, batch, aux)
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(opts, step)
             draft.train()
             loss, losses, accs, _ = ttt_loss(draft, batch, feats, logits, t2d, opts.ttt_steps)
             opt.zero_grad(set_to_none=True)
@@ -260,7 +282,8 @@ def train(opts: TrainOptions) -> dict:
             torch.nn.utils.clip_grad_norm_(params, opts.grad_clip)
             opt.step()
             step += 1
-            last = {"step": step, "loss": loss.item(), "step_loss": losses, "acc": accs}
+            last = {"step": step, "loss": loss.item(), "step_loss": losses, "acc": accs,
+                    "lr": opt.param_groups[0]["lr"]}
             log.write(json.dumps(last) + "\n")
             if progress is not None:
                 progress.update(step, last)
