@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.layers.linear import FEW_ROWS, REDUCED_ROWS, ReplicatedLinear, keep_reduced_twins, linear
+from specserve.layers.linear import FEW_ROWS, linear
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (4, 48), (3, 1, 48), (2, 5, 48), (300, 48)])
@@ -21,7 +21,7 @@ def test_linear_is_f_linear(shape, bias):
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, 4, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 4, FEW_ROWS, FEW_ROWS + 1])
 def test_few_rows_in_any_layout_give_a_row_major_result(rows):
     """A product's input may be a transposed view (another op's output); the result is F.linear's and row-major
     whatever the input's layout, so that the next product gets row-major rows: MKL's few-row kernel read a
@@ -41,25 +41,6 @@ def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, 8))
     half = torch.randn(3, 8, dtype=torch.bfloat16)
     assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
-
-
-def test_reduced_twins_serve_few_rows_of_weights_bf16_holds_exactly():
-    """A bf16 checkpoint upcast to fp32 gets a bf16 twin; products of up to REDUCED_ROWS rows read it (inputs
-    rounded to bf16), more rows the fp32 weight; a weight bf16 cannot hold exactly gets none."""
-    gen = torch.Generator().manual_seed(0)
-    exact, inexact = ReplicatedLinear(48, 72), ReplicatedLinear(48, 72, bias=True)
-    exact.weight.copy_(torch.randn(72, 48, generator=gen).bfloat16().float())
-    inexact.weight.copy_(torch.randn(72, 48, generator=gen))
-    inexact.bias.copy_(torch.randn(72, generator=gen))
-    assert keep_reduced_twins(torch.nn.ModuleList([exact, inexact])) == 1
-    assert not hasattr(inexact.weight, "reduced") and exact.weight.reduced.dtype == torch.bfloat16
-    for rows in (1, REDUCED_ROWS):
-        x = torch.randn(rows, 48, generator=gen)
-        assert torch.equal(exact(x), F.linear(x.bfloat16(), exact.weight.bfloat16()).float())
-        torch.testing.assert_close(inexact(x), F.linear(x, inexact.weight, inexact.bias), rtol=1e-5, atol=1e-5)
-    x = torch.randn(REDUCED_ROWS + 1, 48, generator=gen)
-    torch.testing.assert_close(exact(x), F.linear(x, exact.weight), rtol=1e-5, atol=1e-5)
-    assert not torch.equal(exact(x[:1]), F.linear(x[:1], exact.weight))  # the twin's rounding shows
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

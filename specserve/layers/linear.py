@@ -28,51 +28,29 @@ def _attach(param: nn.Parameter | None, loader) -> None:
         param.weight_loader = loader
 
 
-FEW_ROWS = 128  # fp32 products of 2..FEW_ROWS rows on a CPU are computed as (weight @ x.T).T (`linear`)
-REDUCED_ROWS = 4  # products of up to this many rows read a weight's bf16 twin (`keep_reduced_twins`)
+FEW_ROWS = 128  # fp32 products of up to this many rows on a CPU are computed as weight @ rows.T (`linear`)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except on a CPU in fp32:
-    - up to REDUCED_ROWS rows against a weight with a bf16 twin (`keep_reduced_twins`) read the twin;
-    - several rows are computed as (weight @ x.T).T: for the few rows of a verify or a small batch, MKL's
-      kernels for a small right-hand side run about twice as fast in that orientation (2-core AMD EPYC, torch
-      2.13: the shipped target's 12 layers of linears at 4 rows take 7.0 ms as F.linear, 2.9 ms so;
-      docs/performance.md, session 15). One row keeps F.linear's matrix-vector kernel: padded to two rows it
-      was faster alone but slower beside a server's threads."""
+    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for fp32 products of up to FEW_ROWS rows on
+    a CPU, computed as (weight @ rows.T).T from row-major rows (one row doubled to two) into a row-major result.
+    MKL's kernels for a small right-hand side stream the weight 2-3x faster than its matrix-vector product
+    and than F.linear's at a few rows, but only from row-major rows: the same product from a transposed
+    view ran 2-3x slower, so every result here is row-major for the product after it (2-core AMD EPYC, AVX2,
+    torch 2.13, the shipped target's weights: gate/up at one row 255 us as F.linear, 119 us so; at four rows
+    from row-major rows 123 us, from a transposed view 372 us; docs/performance.md, session 28). Above
+    FEW_ROWS (prefill) F.linear is faster again (350 rows: 3.6 against 7.8 ms)."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or weight.requires_grad:
         return F.linear(x, weight, bias)
-    twin = getattr(weight, "reduced", None)
-    if twin is not None and x.numel() <= REDUCED_ROWS * x.shape[-1]:
-        y = F.linear(x.to(twin.dtype), twin).to(x.dtype)
-        return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])  # [m, in]
-    if not 1 < rows.shape[0] <= FEW_ROWS:
+    m = rows.shape[0]
+    if not 0 < m <= FEW_ROWS:
         return F.linear(x, weight, bias)
-    y = (weight @ rows.contiguous().T).T.contiguous()  # [m, out]
+    rows = rows.expand(2, -1).contiguous() if m == 1 else rows.contiguous()  # [max(m, 2), in] row-major
+    y = (weight @ rows.T).T[:m].contiguous()  # [m, out]
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def keep_reduced_twins(module: nn.Module) -> int:
-    """Give every fp32 CPU linear weight of `module` that bf16 holds exactly (a bf16 checkpoint upcast) a bf16
-    twin, which `linear` reads for products of up to REDUCED_ROWS rows; returns how many got one. On a CPU
-    such products stream their weights from memory: at half the bytes the shipped drafter's linears at one row
-    take 0.33 ms a pass against 1.01 in fp32, at four 1.03 against 1.48, at eight 2.31 against 1.74 (2-core
-    AVX2 EPYC, torch 2.13; docs/performance.md, session 19). The product's inputs are rounded to bf16 too, so
-    this is for a drafter, whose outputs are proposals: never for a target, whose plain and verify steps must
-    compute alike. Weights changed afterwards leave their twin stale."""
-    count = 0
-    for layer in module.modules():
-        w = getattr(layer, "weight", None) if isinstance(layer, LinearBase) else None
-        if w is None or w.device.type != "cpu" or w.dtype != torch.float32:
-            continue
-        twin = w.detach().to(torch.bfloat16)
-        if torch.equal(twin.float(), w.detach()):
-            w.reduced = twin
-            count += 1
-    return count
 
 
 class LinearBase(nn.Module):
@@ -171,11 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         third of the work of a full projection where there are four query heads per KV head."""
         q_size = self.num_heads * self.head_dim
         bias = None if self.bias is None else self.bias[q_size:]
-        weight = self.weight[q_size:]
-        twin = getattr(self.weight, "reduced", None)
-        if twin is not None:  # the same rows of the twin, so few-row products read it here as in forward
-            weight.reduced = twin[q_size:]
-        return linear(x, weight, bias).chunk(2, dim=-1)
+        return linear(x, self.weight[q_size:], bias).chunk(2, dim=-1)
 
 
 class RowParallelLinear(LinearBase):

@@ -26,7 +26,6 @@ from ..config import SpeculativeConfig
 from ..device import RowGather, to_device
 from ..engine.sequence import Sequence
 from ..layers.attention import AttentionBackend, TorchBackend
-from ..layers.linear import keep_reduced_twins
 from ..models import ArchConfig
 from .eagle3 import Eagle3Draft, load_eagle3
 from .eagle3_follow import DraftFollower
@@ -97,7 +96,6 @@ class Eagle3Proposer(Proposer):
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, target_embedding,
                                               dtype, device, load_format, seed)
-        keep_reduced_twins(self.draft)
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
         # [1 layer, k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables
