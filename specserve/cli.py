@@ -148,8 +148,8 @@ def add_train_draft_command(sub) -> None:
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps per position")
     t.add_argument("--lr", type=float, default=5e-4, help="AdamW lr (5e-4 suits tiny drafts; EAGLE-3 uses 5e-5 at 8B)")
-    t.add_argument("--lr-schedule", default="constant", choices=("constant", "cosine"),
-                   help="constant, or a cosine from --lr down to a tenth of it at the last step")
+    t.add_argument("--lr-schedule", default="constant",
+                   help="constant, or cosine: from --lr down to a tenth of it at the last step")
     t.add_argument("--warmup-steps", type=int, default=0, help="linear lr warm-up over the first N steps")
     t.add_argument("--draft-vocab-size", type=int, default=None, help="default: min(target vocab, 32000)")
     t.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
