@@ -288,13 +288,21 @@ def main() -> None:
                     help="leave out (context, batch) cells holding more KV tokens than this")
     ap.add_argument("--part", nargs="+", choices=("all", "specserve", "hf", "loop"), default=["all"],
                     help="all: specserve and transformers, and the per-expert loop for a MoE shape")
+    ap.add_argument("--gemv-rows", type=int, default=None,
+                    help="few-row products up to this many rows run as triton_gemv (default: linear.GEMV_ROWS; "
+                    "0: all cuBLAS), to compare the two")
     ap.add_argument("--out", default="gpu_decode.json")
     args = ap.parse_args()
+    if args.gemv_rows is not None:
+        from specserve.layers import linear
+        linear.GEMV_ROWS = args.gemv_rows
     arch = ArchConfig.from_dict(read_config(args.config))
     layout = WeightLayout.of(arch)
     parts = set(args.part) - {"all"} | ({"specserve", "hf"} | ({"loop"} if layout.moe else set())
                                         if "all" in args.part else set())
+    from specserve.layers import linear
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
+              "gemv_rows": linear.GEMV_ROWS,
               "contexts": args.contexts, "gen_len": args.gen_len, "max_model_len": args.max_model_len,
               "ceilings": ceilings("cuda")}
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

@@ -320,7 +320,7 @@ def test_rope_and_cache_norms_q_and_k_per_head(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("n,k", [(96, 512), (40, 300), (8, 1000)])
 def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
-    """x @ W.T (+ bias) for 1-4 rows, against fp32 F.linear (K not a multiple of the block, N not a multiple of
+    """x @ W.T (+ bias) for 1-16 rows, against fp32 F.linear (K not a multiple of the block, N not a multiple of
     the strip; weights and rows as strided views); each row's bits are the same computed alone or beside
     others (the sums over K run in the same blocks)."""
     import torch.nn.functional as F
@@ -330,18 +330,20 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
     dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 1e-2)
     w = torch.randn(n, k + 8, dtype=dtype, device=dev)[:, 4:k + 4]  # rows of W strided
     bias = torch.randn(n, dtype=dtype, device=dev)
-    x = torch.randn(4, k, dtype=dtype, device=dev)
-    for m in (1, 2, 3, 4):
+    x = torch.randn(16, k, dtype=dtype, device=dev)
+    for m in (1, 2, 3, 4, 16):
         want = F.linear(x[:m].float(), w.float(), bias.float())
-        for launch in (None, (8, 4), (32, 8)):
+        for launch in (None, (16, 128, 4, 3, True), (8, 128, 4, 2, False)):
+            if m > 4 and launch and not launch[4]:
+                continue
             got = triton_gemv.gemv(x[:m], w, bias, launch=launch)
             assert got.shape == (m, n) and got.dtype == dtype
             assert (got.float() - want).norm() / want.norm() < tol, (m, launch)
     together = triton_gemv.gemv(x, w)
-    assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(4))
+    assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(16))
     assert triton_gemv.gemv(x[:2].view(2, 1, k), w).shape == (2, 1, n)
-    with pytest.raises(ValueError, match="up to 4 rows"):
-        triton_gemv.gemv(torch.randn(5, k, dtype=dtype, device=dev), w)
+    with pytest.raises(ValueError, match="up to 16 rows"):
+        triton_gemv.gemv(torch.randn(17, k, dtype=dtype, device=dev), w)
 
 
 @needs_cuda

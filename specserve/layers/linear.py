@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import triton_gemv
 from .parallel import current
 
 
@@ -29,6 +30,7 @@ def _attach(param: nn.Parameter | None, loader) -> None:
 
 
 FEW_ROWS = 128  # fp32 products of up to this many rows on a CPU are computed as weight @ rows.T (`linear`)
+GEMV_ROWS = 0  # half-precision products of up to this many rows on CUDA run as `triton_gemv` (0: none; see it)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,7 +42,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     torch 2.13, the shipped target's weights: gate/up at one row 255 us as F.linear, 119 us so; at four rows
     from row-major rows 123 us, from a transposed view 372 us; docs/performance.md, session 28). Above
     FEW_ROWS (prefill) F.linear is faster again (350 rows: 3.6 against 7.8 ms)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad or weight.requires_grad:
+    if x.requires_grad or weight.requires_grad:
+        return F.linear(x, weight, bias)
+    if x.is_cuda:
+        if _gemv_fits(x, weight):
+            return triton_gemv.gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+    if x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # [m, in]
     m = rows.shape[0]
@@ -51,6 +59,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `triton_gemv` computes x @ weight.T: half precision, 1 to GEMV_ROWS rows, K contiguous."""
+    return (triton_gemv.triton is not None and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.stride(1) == 1
+            and 0 < x.numel() // x.shape[-1] <= GEMV_ROWS)
 
 
 class LinearBase(nn.Module):
