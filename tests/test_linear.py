@@ -43,6 +43,28 @@ def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():
     assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one half-precision row runs as triton_gemv on CUDA")
+@pytest.mark.parametrize("shape", [(1, 4096), (1, 1, 14336), (2, 4096), (5, 4096)])
+def test_one_half_row_on_cuda_is_the_linear(shape):
+    """One bf16 row on CUDA takes the Triton kernel (more rows take cuBLAS): F.linear's result in fp32 sums,
+    bias and leading dimensions kept, the same bits as the kernel called directly."""
+    from specserve.layers import linear as linear_module
+    from specserve.layers import triton_gemv
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=gen).cuda().bfloat16()
+    w = (torch.randn(3000, shape[-1], generator=gen) / shape[-1] ** 0.5).cuda().bfloat16()
+    b = torch.randn(3000, generator=gen).cuda().bfloat16()
+    got = linear(x, w, b)
+    want = F.linear(x.float(), w.float(), b.float())
+    assert got.shape == (*shape[:-1], 3000) and got.dtype == torch.bfloat16
+    assert (got.float() - want).norm() / want.norm() < 1e-2
+    rows = x.numel() // shape[-1]
+    assert linear_module._gemv_fits(x, w) == (rows == 1)
+    if rows == 1:
+        assert torch.equal(got, triton_gemv.gemv(x, w, b))
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
     """A decoder attention's store_kv projects k and v alone (the weight's rows after q's) and writes them
@@ -70,7 +92,7 @@ def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
     slots = torch.tensor([3, 11, 4, 60, 0, 12, 40], device=dev)
     cache = torch.full((2, 2, 64, 2, 32), float("nan"), device=dev, dtype=dtype)
     attn.store_kv(x, positions, slots, cache)
-    q, k, v = attn._project(x)
+    q, k, v = attn._split(attn.qkv_proj(x))
     _, want_k = rotary.to(dev)(positions, q, k)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cache[1, 0, slots].float(), want_k.float(), **tol)
@@ -78,3 +100,44 @@ def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
     unwritten = torch.ones(64, dtype=torch.bool, device=dev)
     unwritten[slots] = False
     assert cache[1][:, unwritten].isnan().all() and cache[0].isnan().all(), "wrote outside the given slots"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-row decoder path runs on CUDA in half precision")
+@pytest.mark.parametrize("qkv_bias,qk_norm", [(False, False), (True, False), (False, True)])
+def test_one_row_decoder_path_is_the_layered_path(qkv_bias, qk_norm):
+    """A step of one token on CUDA in bf16 runs every layer as four fused products (`LlamaModel.one_row`):
+    the final hidden state, the aux streams and the keys it caches agree with the layer-by-layer path over
+    the same cache (bf16 roundings apart), for Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm)."""
+    from specserve.layers.attention import build_metadata
+    from specserve.models.config import ArchConfig
+    from specserve.models.llama import LlamaForCausalLM
+
+    dev = torch.device("cuda")
+    c = ArchConfig(vocab_size=300, hidden_size=256, intermediate_size=704, num_layers=3, num_heads=8,
+                   num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+                   max_position_embeddings=256, architecture="LlamaForCausalLM", tie_word_embeddings=False,
+                   qkv_bias=qkv_bias, qk_norm=qk_norm, eos_token_ids=(), raw={})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(c)
+    for p in model.parameters():
+        p.data.normal_(0, 0.05)
+    model = model.to(dev, torch.bfloat16).eval()
+    cache = torch.randn(3, 2, 64, 2, 32, device=dev, dtype=torch.bfloat16)  # [layers, 2, slots, kv_heads, dim]
+    ids, positions = torch.tensor([17], device=dev), torch.tensor([20], device=dev)
+
+    def run(one_row: bool):
+        kv = cache.clone()
+        meta = build_metadata([1], [21], [[0, 1]], 16, dev, kv_cache=kv)
+        model.model.one_row = lambda h: one_row
+        try:
+            with torch.inference_mode():
+                out, aux = model(ids, positions, meta, aux_layers=(1, 3))
+        finally:
+            del model.model.one_row
+        return out, aux, kv
+
+    with torch.inference_mode():
+        assert model.model.one_row(model.model.embed_tokens(ids))
+    (got, got_aux, got_kv), (want, want_aux, want_kv) = run(True), run(False)
+    for a, b in [(got, want), *zip(got_aux, want_aux), (got_kv, want_kv)]:
+        assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2

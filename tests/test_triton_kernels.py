@@ -320,7 +320,7 @@ def test_rope_and_cache_norms_q_and_k_per_head(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("n,k", [(96, 512), (40, 300), (8, 1000)])
 def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
-    """x @ W.T (+ bias) for 1-16 rows, against fp32 F.linear (K not a multiple of the block, N not a multiple of
+    """x @ W.T (+ bias) for 1-4 rows, against fp32 F.linear (K not a multiple of the block, N not a multiple of
     the strip; weights and rows as strided views); each row's bits are the same computed alone or beside
     others (the sums over K run in the same blocks)."""
     import torch.nn.functional as F
@@ -330,20 +330,56 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
     dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 1e-2)
     w = torch.randn(n, k + 8, dtype=dtype, device=dev)[:, 4:k + 4]  # rows of W strided
     bias = torch.randn(n, dtype=dtype, device=dev)
-    x = torch.randn(16, k, dtype=dtype, device=dev)
-    for m in (1, 2, 3, 4, 16):
+    x = torch.randn(4, k, dtype=dtype, device=dev)
+    for m in (1, 2, 3, 4):
         want = F.linear(x[:m].float(), w.float(), bias.float())
-        for launch in (None, (16, 128, 4, 3, True), (8, 128, 4, 2, False)):
-            if m > 4 and launch and not launch[4]:
-                continue
+        for launch in (triton_gemv.ONE_ROW, (16, 128, 4, 2), (4, 256, 2, 5)):
             got = triton_gemv.gemv(x[:m], w, bias, launch=launch)
             assert got.shape == (m, n) and got.dtype == dtype
             assert (got.float() - want).norm() / want.norm() < tol, (m, launch)
     together = triton_gemv.gemv(x, w)
-    assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(16))
+    assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(4))
     assert triton_gemv.gemv(x[:2].view(2, 1, k), w).shape == (2, 1, n)
-    with pytest.raises(ValueError, match="up to 16 rows"):
-        triton_gemv.gemv(torch.randn(17, k, dtype=dtype, device=dev), w)
+    with pytest.raises(ValueError, match="up to 4 rows"):
+        triton_gemv.gemv(torch.randn(5, k, dtype=dtype, device=dev), w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_fuses_the_norm_before_it_the_gate_and_the_residual_as_the_kernels_apart_round(m):
+    """A decoder layer's products fused with what surrounds them: the input normed from the parts a residual
+    product returned, the input gated (silu(gate) * up), the residual added after; against add_rms_norm,
+    silu_and_mul and the sum computed apart (the same roundings; the norm's sum of squares in another order)."""
+    from specserve.layers import triton_gemv, triton_ops
+
+    dev, dtype = torch.device(DEVICE["name"]), HALF
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
+
+    hidden, inter, out = 96, 160, 40
+    w_o, w_down, w_up = rand(hidden, 64, scale=0.1), rand(hidden, inter, scale=0.1), rand(out, hidden, scale=0.1)
+    attn, stream, gate_up = rand(m, 64), rand(m, hidden), rand(m, 2 * inter)
+    # residual: y = x @ W.T + stream, parts sum to each row's sum of squares
+    y, parts = triton_gemv.gemv(attn, w_o, residual=stream, launch=(8, 32, 4, 2))
+    launch = (8, 32, 4, 2)  # K in two or more blocks
+    want = (triton_gemv.gemv(attn, w_o, launch=launch).float() + stream.float()).to(dtype)
+    assert torch.equal(y, want) and parts.shape == (m, hidden // 8)
+    torch.testing.assert_close(parts.sum(1), y.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
+    # normed input from those parts: add_rms_norm's output, then the product
+    norm_w = rand(hidden)
+    normed = triton_ops.add_rms_norm(y, None, norm_w, 1e-6)[0]
+    got = triton_gemv.gemv(y, w_up, norm=(norm_w, parts, 1e-6), launch=launch)
+    want = triton_gemv.gemv(normed, w_up, launch=launch)
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+    # gated input with the residual: silu_and_mul, the product, the sum
+    got, _ = triton_gemv.gemv(gate_up, w_down, gated=True, residual=y, launch=launch)
+    want = (triton_gemv.gemv(triton_ops.silu_and_mul(gate_up), w_down, launch=launch).float()
+            + y.float()).to(dtype)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="up to 4 rows"):
+        triton_gemv.gemv(gate_up, w_down)  # not gated: the width is wrong
 
 
 @needs_cuda

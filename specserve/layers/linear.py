@@ -30,12 +30,13 @@ def _attach(param: nn.Parameter | None, loader) -> None:
 
 
 FEW_ROWS = 128  # fp32 products of up to this many rows on a CPU are computed as weight @ rows.T (`linear`)
-GEMV_ROWS = 0  # half-precision products of up to this many rows on CUDA run as `triton_gemv` (0: none; see it)
+GEMV_ROWS = 1  # half-precision products of this many rows on CUDA run as `triton_gemv` (faster than cuBLAS at one)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for fp32 products of up to FEW_ROWS rows on
-    a CPU, computed as (weight @ rows.T).T from row-major rows (one row doubled to two) into a row-major result.
+    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for one half-precision row on CUDA
+    (`triton_gemv`, faster than cuBLAS there) and fp32 products of up to FEW_ROWS rows on a CPU, computed as
+    (weight @ rows.T).T from row-major rows (one row doubled to two) into a row-major result.
     MKL's kernels for a small right-hand side stream the weight 2-3x faster than its matrix-vector product
     and than F.linear's at a few rows, but only from row-major rows: the same product from a transposed
     view ran 2-3x slower, so every result here is row-major for the product after it (2-core AMD EPYC, AVX2,

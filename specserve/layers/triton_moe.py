@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from .triton_gemv import block_n
 from .triton_split import sm_count
 
 try:
@@ -180,6 +179,14 @@ if triton is not None:
         dtype = Act.dtype.element_ty
         tl.store(Part + a * stride_pm + cols, (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32),
                  mask=nmask)  # as the GEMM's epilogue rounds it
+
+
+def block_n(n: int, sms: int) -> int:
+    """Rows of W per program: 32, halved (to 8) while that leaves fewer than two programs per SM."""
+    size = 32
+    while size > 8 and triton.cdiv(n, size) < 2 * sms:
+        size //= 2
+    return size
 
 
 DirectLaunch = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps); BLOCK_N 0: `block_n`'s choice

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import triton_ops
+from ..layers import linear, triton_gemv, triton_ops
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
+from ..layers.parallel import current
 from ..layers.rotary import RotaryEmbedding
 from .config import ArchConfig, DecoderShape
 
@@ -35,11 +36,11 @@ class DecoderAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, c.head_dim, layer)
 
-    def _project(self, x: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of x [n, input_size] (q/k normed, unless
-        norm is False: `rope_and_cache` norms them)."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def _split(self, qkv: torch.Tensor, norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [n, heads, head_dim], k and v [n, kv_heads, head_dim] of the projection qkv [n, q + k + v] (q/k
+        normed, unless norm is False: `rope_and_cache` norms them)."""
+        n = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(n, self.heads, self.head_dim)
         k = k.view(n, self.kv_heads, self.head_dim)
         v = v.view(n, self.kv_heads, self.head_dim)
@@ -47,25 +48,25 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _rope_and_cache(self, x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x, q normed and rotated in place, k and v written to cache ([2, slots, kv_heads, head_dim])
-        at slots: one launch after the projection (`triton_ops.rope_and_cache`)."""
-        q, k, v = self._project(x, norm=False)
-        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, cache, slots, qk_norm)
-        return q, k, v
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
-        if meta.fuses_kv_write and triton_ops.rotary_fits(x, self.head_dim):
-            q, k, v = self._rope_and_cache(x, positions, self.attn.cache(meta), meta.slot_mapping)
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention output [n, heads * head_dim] of the projection qkv [n, q + k + v]: q/k norm, rotary,
+        the cache write and paged attention (the first three in one launch, `triton_ops.rope_and_cache`, where
+        the metadata `fuses_kv_write`)."""
+        n = qkv.shape[0]
+        if meta.fuses_kv_write and triton_ops.rotary_fits(qkv, self.head_dim):
+            q, k, v = self._split(qkv, norm=False)
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.cache(meta),
+                                      meta.slot_mapping, qk_norm)
             out = self.attn(q, k, v, meta, kv_written=True)
         else:
-            q, k, v = self._project(x)
+            q, k, v = self._split(qkv)
             q, k = self.rotary(positions, q, k)
             out = self.attn(q, k, v, meta)  # [n, heads, head_dim]
-        return self.o_proj(out.reshape(n, -1))
+        return out.reshape(n, -1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, meta))
 
     def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n] of this layer
@@ -116,6 +117,18 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(x), residual
 
+    def forward_one_row(self, stream: torch.Tensor, parts: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a step of one token in four weight launches (`one_row`): stream [1, hidden] entering
+        the layer and parts, its sum of squares in pieces -> the same for the stream leaving it."""
+        attn, mlp = self.self_attn, self.mlp
+        norm = (self.input_layernorm.weight, parts, self.input_layernorm.eps)
+        qkv = triton_gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=norm)
+        stream, parts = triton_gemv.gemv(attn.attend(qkv, positions, meta), attn.o_proj.weight, residual=stream)
+        norm = (self.post_attention_layernorm.weight, parts, self.post_attention_layernorm.eps)
+        gate_up = triton_gemv.gemv(stream, mlp.gate_up_proj.weight, norm=norm)
+        return triton_gemv.gemv(gate_up, mlp.down_proj.weight, gated=True, residual=stream)
+
 
 class LlamaModel(nn.Module):
     def __init__(self, c: ArchConfig, make_mlp: Callable[[ArchConfig, int], nn.Module]):
@@ -125,12 +138,25 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.tp = current()
+
+    def one_row(self, h: torch.Tensor) -> bool:
+        """Whether a step of h [num_tokens, hidden] runs `forward_one_row`: one token on CUDA in half precision,
+        on one rank, every layer dense. A decode step at batch 1 is its weights' reads; the path fuses each
+        layer's norms, activation and residual adds into the four products (`triton_gemv`): six launches a
+        layer where there were nine to eleven."""
+        return (h.shape[0] == 1 and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
+                and h.dtype in (torch.bfloat16, torch.float16)
+                and self.norm.weight.dtype == h.dtype and self.tp.size == 1
+                and all(type(layer.mlp) is MLP for layer in self.layers))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """ids, positions [num_tokens] -> final hidden [num_tokens, hidden] (normed) and the residual
         stream entering each layer in aux_layers (what EAGLE-3 drafters read; num_layers = the last output)."""
         h, residual = self.embed_tokens(ids), None  # [num_tokens, hidden]; the stream is h + residual
+        if self.one_row(h):
+            return self._forward_one_row(h, positions, meta, aux_layers)
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
@@ -138,6 +164,17 @@ class LlamaModel(nn.Module):
             h, residual = layer(h, residual, positions, meta)
         out, seen[len(self.layers)] = self.norm.add_norm(h, residual)
         return out, [seen[i] for i in aux_layers]
+
+    def _forward_one_row(self, stream: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` for one token: stream [1, hidden] the embedding, then each layer's output stream."""
+        seen = {}
+        parts = stream.float().pow(2).sum(1, keepdim=True)  # [1, 1]
+        for i, layer in enumerate(self.layers):
+            seen[i] = stream
+            stream, parts = layer.forward_one_row(stream, parts, positions, meta)
+        seen[len(self.layers)] = stream
+        return self.norm(stream), [seen[i] for i in aux_layers]
 
 
 class LlamaForCausalLM(nn.Module):
