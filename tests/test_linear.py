@@ -141,3 +141,27 @@ def test_one_row_decoder_path_is_the_layered_path(qkv_bias, qk_norm):
     (got, got_aux, got_kv), (want, want_aux, want_kv) = run(True), run(False)
     for a, b in [(got, want), *zip(got_aux, want_aux), (got_kv, want_kv)]:
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+
+
+def test_rotary_turns_q_and_k_together_and_regathers_changed_positions():
+    """On a CPU q and k rotate side by side as one tensor, with cos/sin gathered once for a forward's layers:
+    the same bits as rotating each alone; a positions tensor changed in place, or another one, is regathered."""
+    from specserve.layers.rotary import RotaryEmbedding
+
+    rot = RotaryEmbedding(32, 128, 10000.0, None)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 8, 32, generator=gen), torch.randn(3, 2, 32, generator=gen)
+
+    def alone(positions, x):
+        cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
+        a, b = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-b, a], dim=-1) * sin
+
+    positions = torch.tensor([0, 7, 100])
+    for _ in range(2):  # the second call reuses the gathered tables
+        got_q, got_k = rot(positions, q, k)
+        assert torch.equal(got_q, alone(positions, q)) and torch.equal(got_k, alone(positions, k))
+    positions[1] = 50  # in place: the same tensor, other positions
+    assert torch.equal(rot(positions, q, k)[0], alone(positions, q))
+    other = torch.tensor([3, 4, 5])
+    assert torch.equal(rot(other, q, k)[1], alone(other, k))

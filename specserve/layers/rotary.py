@@ -43,18 +43,33 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._last: tuple = (None, None, None)  # (positions, a copy of them, (cos, sin) at them): `_at`
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [n]; q [n, heads, head_dim]; k [n, kv_heads, head_dim]
-        return self.rotate(positions, q), self.rotate(positions, k)
+        """q [n, heads, head_dim] and k [n, kv_heads, head_dim] rotated to positions [n]: in place on CUDA (one
+        launch each), else side by side as one tensor (half the operations), returned as views of it."""
+        if triton_ops.rotary_fits(q, q.shape[-1]):
+            return self.rotate(positions, q), self.rotate(positions, k)
+        qk = self.rotate(positions, torch.cat([q, k], dim=1))  # [n, heads + kv_heads, head_dim]
+        return qk[:, :q.shape[1]], qk[:, q.shape[1]:]
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [n, heads, head_dim] rotated to positions [n] (in place on CUDA, one launch)."""
         if triton_ops.rotary_fits(x, x.shape[-1]):
             return triton_ops.rotary_(x, positions, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = self._at(positions, x.dtype)
         return x * cos + _rotate_half(x) * sin
+
+    def _at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, 1, head_dim] at positions [n] in dtype, gathered once for the layers of a forward
+        (they share its positions tensor, checked against a copy: it may have changed in place since). Off a
+        CPU every call gathers (the check would wait for the device)."""
+        last, seen, tables = self._last
+        if (positions.device.type != "cpu" or last is not positions or tables[0].dtype != dtype
+                or not torch.equal(seen, positions)):
+            tables = tuple(t[positions].unsqueeze(1).to(dtype) for t in (self.cos, self.sin))
+            self._last = (positions, positions.clone(), tables)
+        return tables
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
