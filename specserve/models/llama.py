@@ -139,6 +139,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.tp = current()
+        self.dense = all(type(layer.mlp) is MLP for layer in self.layers)  # every layer's MLP `forward_one_row`'s
 
     def one_row(self, h: torch.Tensor) -> bool:
         """Whether a step of h [num_tokens, hidden] runs `forward_one_row`: one token on CUDA in half precision,
@@ -147,8 +148,7 @@ class LlamaModel(nn.Module):
         layer where there were nine to eleven."""
         return (h.shape[0] == 1 and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
                 and h.dtype in (torch.bfloat16, torch.float16)
-                and self.norm.weight.dtype == h.dtype and self.tp.size == 1
-                and all(type(layer.mlp) is MLP for layer in self.layers))
+                and self.norm.weight.dtype == h.dtype and self.tp.size == 1 and self.dense)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
