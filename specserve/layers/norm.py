@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         return self._norm(stream), stream
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:  # one fused operation, the same bits
+        if x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:  # one operation, the same bits
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
