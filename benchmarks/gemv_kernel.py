@@ -6,6 +6,7 @@ Llama-3.1-8B and Qwen3-30B-A3B shapes, at 1, 2 and 4 rows.
     python benchmarks/gemv_kernel.py --out gemv.json
     python benchmarks/gemv_kernel.py --rows 1 --launch 8,512,4,3 16,256,4,5 --out gemv.json
     python benchmarks/gemv_kernel.py --rows 1 4 --sweep --out gemv.json   # the launch grid of `sweep_launches`
+    python benchmarks/gemv_kernel.py --shapes 8b.qkv 8b.down --rows 4 --launch 32,128,4,5,1 --fused
     python benchmarks/gemv_kernel.py --rows 1 4 16 --blas wx lt xwt --no-triton --out blas.json
 
 `--blas`: `wx` = (W @ x.T).T, `lt` = F.linear with cuBLASLt preferred, `xwt` = x @ W.T stored contiguous
@@ -57,7 +58,7 @@ def _with_lt(fn):
     return call
 
 
-def cell(name: str, rows: int, launches: list, blas: list, bandwidth: float) -> dict:
+def cell(name: str, rows: int, launches: list, blas: list, bandwidth: float, fused: bool = False) -> dict:
     n, k = SHAPES[name]
     dev = torch.device("cuda")
     nbytes = n * k * 2
@@ -87,19 +88,43 @@ def cell(name: str, rows: int, launches: list, blas: list, bandwidth: float) -> 
         run("x @ Wt", lambda w: x @ transposed[id(w)])
         del transposed
     for launch in launches:
-        if rows > triton_gemv.MAX_ROWS:
+        launch = triton_gemv.Launch(*(launch or triton_gemv.ONE_ROW))
+        if rows > (triton_gemv.MAX_DOT_ROWS if launch.dot else triton_gemv.MAX_ROWS):
             continue
-        label = "gemv" if launch is None else "gemv " + ",".join(str(v) for v in launch)
-        run(label, lambda w, launch=launch or triton_gemv.ONE_ROW: triton_gemv.gemv(x, w, launch=launch))
+        label = "gemv " + ",".join(str(int(v)) for v in launch)
+        run(label, lambda w, launch=launch: triton_gemv.gemv(x, w, launch=launch))
+        for what, product in (fused_products(name, rows, launch) if fused else {}).items():
+            run(f"{label} {what}", product)
+    return out
+
+
+def fused_products(name: str, rows: int, launch) -> dict:
+    """What the fused decoder path runs around an 8B product (`LlamaModel.fused_rows`): name -> product of a
+    weight."""
+    dev, (n, k) = torch.device("cuda"), SHAPES[name]
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+    rms = (torch.rand(rows, 128, device=dev), 1e-6)
+    residual = torch.randn(rows, n, dtype=torch.bfloat16, device=dev)
+    scale = torch.randn(n, dtype=torch.bfloat16, device=dev)
+    out = {"rms": lambda w: triton_gemv.gemv(x, w, launch=launch, rms=rms),
+           "residual+scale": lambda w: triton_gemv.gemv(x, w, launch=launch, residual=residual, scale=scale)}
+    if name == "8b.gate_up":
+        out["rms+gate"] = lambda w: triton_gemv.gemv(x, w, launch=launch, rms=rms, gate=True)
+    if name == "8b.qkv" and triton_gemv.pairs_fit(128, launch):
+        table = torch.randn(4096, 128, device=dev)
+        rope = triton_gemv.RopeWrite(table, table, torch.arange(rows, device=dev) + 100,
+                                     torch.empty(2, 64, 8, 128, dtype=torch.bfloat16, device=dev),
+                                     torch.arange(rows, device=dev), 32, 8, 128)
+        out["rms+rope"] = lambda w: triton_gemv.gemv(x, w, launch=launch, rms=rms, rope=rope)
     return out
 
 
 def parse_launch(text: str) -> tuple:
-    """'BLOCK_N,BLOCK_K,warps,stages' -> triton_gemv.Launch."""
+    """'BLOCK_N,BLOCK_K,warps,stages[,dot]' -> triton_gemv.Launch (dot 1: tensor cores)."""
     numbers = text.split(",")
-    if len(numbers) != 4 or not all(v.isdigit() for v in numbers):
-        raise argparse.ArgumentTypeError(f"a launch is BLOCK_N,BLOCK_K,warps,stages, got {text!r}")
-    return tuple(int(v) for v in numbers)
+    if len(numbers) not in (4, 5) or not all(v.isdigit() for v in numbers):
+        raise argparse.ArgumentTypeError(f"a launch is BLOCK_N,BLOCK_K,warps,stages[,dot], got {text!r}")
+    return triton_gemv.Launch(*(int(v) for v in numbers[:4]), *(bool(int(v)) for v in numbers[4:]))
 
 
 def sweep_launches() -> list:
@@ -112,7 +137,9 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--launch", nargs="*", type=parse_launch, default=[],
-                    help="BLOCK_N,BLOCK_K,warps,stages launches to try besides triton_gemv.ONE_ROW")
+                    help="BLOCK_N,BLOCK_K,warps,stages[,dot] launches to try besides triton_gemv.ONE_ROW")
+    ap.add_argument("--fused", action="store_true",
+                    help="also time each launch with what the fused decoder path runs around an 8B product")
     ap.add_argument("--sweep", action="store_true", help="try every launch of `sweep_launches` too")
     ap.add_argument("--blas", nargs="*", default=[], choices=("wx", "lt", "xwt"),
                     help="other cuBLAS orientations / libraries beside F.linear")
@@ -124,7 +151,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cells": []}
     for rows in args.rows:
         for name in args.shapes:
-            result["cells"].append(cell(name, rows, launches, args.blas, ceil["copy_bytes_per_s"]))
+            result["cells"].append(cell(name, rows, launches, args.blas, ceil["copy_bytes_per_s"], args.fused))
             best = min((r for r in result["cells"][-1]["runs"] if r["kernel"].startswith("gemv")),
                        key=lambda r: r["us"], default=None)
             if best is not None:

@@ -291,23 +291,24 @@ def main() -> None:
     ap.add_argument("--gemv-rows", type=int, default=None,
                     help="few-row products up to this many rows run as triton_gemv (default: linear.GEMV_ROWS; "
                     "0: all cuBLAS), to compare the two")
-    ap.add_argument("--layered", action="store_true",
-                    help="decode one row layer by layer (no fused one-row decoder path), to compare the two")
+    ap.add_argument("--fused-rows", type=int, default=None,
+                    help="steps of up to this many tokens run the fused decoder path (default: llama.FUSED_ROWS; "
+                    "0: every step layer by layer), to compare the two")
     ap.add_argument("--out", default="gpu_decode.json")
     args = ap.parse_args()
     if args.gemv_rows is not None:
         from specserve.layers import linear
         linear.GEMV_ROWS = args.gemv_rows
-    if args.layered:
-        from specserve.models.llama import LlamaModel
-        LlamaModel.one_row = lambda self, h: False
+    if args.fused_rows is not None:
+        from specserve.models import llama
+        llama.FUSED_ROWS = args.fused_rows
     arch = ArchConfig.from_dict(read_config(args.config))
     layout = WeightLayout.of(arch)
     parts = set(args.part) - {"all"} | ({"specserve", "hf"} | ({"loop"} if layout.moe else set())
                                         if "all" in args.part else set())
     from specserve.layers import linear
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
-              "gemv_rows": linear.GEMV_ROWS, "layered": args.layered,
+              "gemv_rows": linear.GEMV_ROWS, "fused_rows": args.fused_rows,
               "contexts": args.contexts, "gen_len": args.gen_len, "max_model_len": args.max_model_len,
               "ceilings": ceilings("cuda")}
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

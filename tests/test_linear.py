@@ -102,13 +102,16 @@ def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
     assert cache[1][:, unwritten].isnan().all() and cache[0].isnan().all(), "wrote outside the given slots"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-row decoder path runs on CUDA in half precision")
-@pytest.mark.parametrize("qkv_bias,qk_norm", [(False, False), (True, False), (False, True)])
-def test_one_row_decoder_path_is_the_layered_path(qkv_bias, qk_norm):
-    """A step of one token on CUDA in bf16 runs every layer as four fused products (`LlamaModel.one_row`):
-    the final hidden state, the aux streams and the keys it caches agree with the layer-by-layer path over
-    the same cache (bf16 roundings apart), for Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm)."""
-    from specserve.layers.attention import build_metadata
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the few-row decoder path runs on CUDA in half precision")
+@pytest.mark.parametrize("qkv_bias,qk_norm,rows", [(False, False, 1), (True, False, 1), (False, True, 1),
+                                                   (False, False, 4), (True, False, 11), (False, True, 4)])
+def test_fused_decoder_path_is_the_layered_path(qkv_bias, qk_norm, rows):
+    """A step of 1-16 tokens on CUDA in bf16 runs every layer as four fused products (`LlamaModel.fused_rows`;
+    one row on the FMA units, more on the tensor cores; rotary and the cache write in the q/k/v product's
+    epilogue without q/k norm): the final hidden states, the aux streams and the cache agree with the
+    layer-by-layer path over the same cache (bf16 roundings apart), for Llama, Qwen2 (q/k/v bias) and Qwen3
+    (q/k norm); tokens of two sequences, one of them a verify's several."""
+    from specserve.layers.attention import attention_backend
     from specserve.models.config import ArchConfig
     from specserve.models.llama import LlamaForCausalLM
 
@@ -123,21 +126,25 @@ def test_one_row_decoder_path_is_the_layered_path(qkv_bias, qk_norm):
         p.data.normal_(0, 0.05)
     model = model.to(dev, torch.bfloat16).eval()
     cache = torch.randn(3, 2, 64, 2, 32, device=dev, dtype=torch.bfloat16)  # [layers, 2, slots, kv_heads, dim]
-    ids, positions = torch.tensor([17], device=dev), torch.tensor([20], device=dev)
+    q_lens = [1] if rows == 1 else [1, rows - 1]
+    seq_lens = [21, 30][:len(q_lens)]
+    ids = torch.randint(0, 300, (rows,), device=dev)
+    positions = torch.tensor([20, *range(30 - rows + 1, 30)][:rows], device=dev)
 
-    def run(one_row: bool):
+    def run(fused: bool):
         kv = cache.clone()
-        meta = build_metadata([1], [21], [[0, 1]], 16, dev, kv_cache=kv)
-        model.model.one_row = lambda h: one_row
+        meta = attention_backend("triton").metadata(q_lens, seq_lens, [[0, 1], [2, 3]][:len(q_lens)], 16, dev,
+                                                     group=4, kv_cache=kv)
+        model.model.fused_rows = lambda h: fused
         try:
             with torch.inference_mode():
                 out, aux = model(ids, positions, meta, aux_layers=(1, 3))
         finally:
-            del model.model.one_row
+            del model.model.fused_rows
         return out, aux, kv
 
     with torch.inference_mode():
-        assert model.model.one_row(model.model.embed_tokens(ids))
+        assert model.model.fused_rows(model.model.embed_tokens(ids))
     (got, got_aux, got_kv), (want, want_aux, want_kv) = run(True), run(False)
     for a, b in [(got, want), *zip(got_aux, want_aux), (got_kv, want_kv)]:
         assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2

@@ -267,6 +267,46 @@ def test_fused_elementwise_kernels(dtype):
     assert (got.float() - ref.float()).norm() / ref.float().norm() < tol
 
 
+@needs_kernels
+@pytest.mark.parametrize("m,launch", [(1, (8, 64, 4, 2)), (3, (8, 64, 4, 2)), (4, (32, 64, 4, 2, True)),
+                                      (9, (16, 128, 4, 2, True))])
+def test_gemv_rotates_q_and_k_and_writes_the_cache_as_rope_and_cache_does(m, launch):
+    """A q/k/v product (input normed, with bias) whose epilogue rotates q and k and writes k and v to their
+    cache slots: Y and the cache as the product then `rope_and_cache` leave them, and no other slot written
+    (4 query heads and 2 kv heads of 32; pairs of rotate-half columns in one program)."""
+    from specserve.layers import triton_gemv, triton_ops
+    from specserve.layers.rotary import RotaryEmbedding
+
+    dev, dtype = torch.device(DEVICE["name"]), HALF
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, hidden = 4, 2, 32, 96
+    rot = RotaryEmbedding(dim, 512, 10000.0, None).to(dev)
+    w = (torch.randn((heads + 2 * kv_heads) * dim, hidden, generator=gen) * 0.1).to(dev, dtype)
+    bias, norm_w = (torch.randn(w.shape[0], generator=gen) * 0.1).to(dev, dtype), torch.randn(hidden).to(dev, dtype)
+    x = torch.randn(m, hidden, generator=gen).to(dev, dtype)
+    parts = x.float().pow(2).sum(1, keepdim=True)  # [m, 1]
+    pos, slots = torch.randint(0, 512, (m,), generator=gen).to(dev), torch.randperm(32, generator=gen)[:m].to(dev)
+    empty = torch.full((2, 32, kv_heads, dim), float("nan"), dtype=dtype, device=dev)
+    x, rms = x * norm_w, (parts, 1e-6)
+    want, want_cache = triton_gemv.gemv(x, w, bias, launch, rms=rms), empty.clone()
+    q, kk, v = want[:, :heads * dim], want[:, heads * dim:(heads + kv_heads) * dim], want[:, (heads + kv_heads) * dim:]
+    triton_ops.rope_and_cache(q.view(m, heads, dim), kk.view(m, kv_heads, dim), v.view(m, kv_heads, dim), pos,
+                              rot.cos, rot.sin, want_cache, slots)
+    kk.view(m, kv_heads, dim).copy_(want_cache[0, slots])  # the rotated keys, where the fused product leaves them
+    cache = empty.clone()
+    got = triton_gemv.gemv(x, w, bias, launch, rms=rms,
+                           rope=triton_gemv.RopeWrite(rot.cos, rot.sin, pos, cache, slots, heads, kv_heads, dim))
+    for a, b in [(got, want), (cache[:, slots], want_cache[:, slots])]:
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max()
+    assert torch.equal(got[:, (heads + kv_heads) * dim:], want[:, (heads + kv_heads) * dim:])
+    untouched = torch.ones(32, dtype=torch.bool, device=dev)
+    untouched[slots] = False
+    assert cache[:, untouched].isnan().all(), "wrote outside the given slots"
+    with pytest.raises(ValueError, match="paired epilogue"):
+        triton_gemv.gemv(x, w, bias, (64, 64, 4, 2, True), rms=rms,
+                         rope=triton_gemv.RopeWrite(rot.cos, rot.sin, pos, cache, slots, heads, kv_heads, dim))
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_write(dtype):
@@ -331,13 +371,19 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
     w = torch.randn(n, k + 8, dtype=dtype, device=dev)[:, 4:k + 4]  # rows of W strided
     bias = torch.randn(n, dtype=dtype, device=dev)
     x = torch.randn(4, k, dtype=dtype, device=dev)
-    for m in (1, 2, 3, 4):
+    x = torch.randn(16, k, dtype=dtype, device=dev)
+    launches = [triton_gemv.ONE_ROW, (16, 128, 4, 2), (4, 256, 2, 5)]
+    if dtype != torch.float32:  # tensor cores: half precision (fp32 would multiply in tf32)
+        launches += [(32, 128, 4, 3, True), (16, 256, 4, 2, True)]
+    for m in (1, 2, 3, 4, 16):
         want = F.linear(x[:m].float(), w.float(), bias.float())
-        for launch in (triton_gemv.ONE_ROW, (16, 128, 4, 2), (4, 256, 2, 5)):
+        for launch in launches:
+            if m > (triton_gemv.MAX_DOT_ROWS if triton_gemv.Launch(*launch).dot else triton_gemv.MAX_ROWS):
+                continue
             got = triton_gemv.gemv(x[:m], w, bias, launch=launch)
             assert got.shape == (m, n) and got.dtype == dtype
             assert (got.float() - want).norm() / want.norm() < tol, (m, launch)
-    together = triton_gemv.gemv(x, w)
+    together = triton_gemv.gemv(x[:4], w)
     assert all(torch.equal(triton_gemv.gemv(x[i:i + 1], w)[0], together[i]) for i in range(4))
     assert triton_gemv.gemv(x[:2].view(2, 1, k), w).shape == (2, 1, n)
     with pytest.raises(ValueError, match="up to 4 rows"):
@@ -345,11 +391,13 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
 
 
 @needs_kernels
-@pytest.mark.parametrize("m", [1, 3])
-def test_gemv_fuses_the_norm_before_it_the_gate_and_the_residual_as_the_kernels_apart_round(m):
-    """A decoder layer's products fused with what surrounds them: the input normed from the parts a residual
-    product returned, the input gated (silu(gate) * up), the residual added after; against add_rms_norm,
-    silu_and_mul and the sum computed apart (the same roundings; the norm's sum of squares in another order)."""
+@pytest.mark.parametrize("m,launch", [(1, (8, 32, 4, 2)), (3, (8, 32, 4, 2)), (4, (16, 32, 4, 2, True))])
+def test_gemv_fuses_the_norm_the_gate_and_the_residual_as_the_kernels_apart_round(m, launch):
+    """A decoder layer's products fused with what surrounds them: the residual added after a product (its sum
+    of squares in parts, the stream times the next norm's weight beside it); a product of that scaled stream
+    divided by its rms, as the norm then the product; the gate/up product returning silu(gate) * up; against
+    add_rms_norm, silu_and_mul and the sum computed apart (the same roundings; the norm's sum of squares in
+    another order). K in two or more blocks."""
     from specserve.layers import triton_gemv, triton_ops
 
     dev, dtype = torch.device(DEVICE["name"]), HALF
@@ -358,28 +406,28 @@ def test_gemv_fuses_the_norm_before_it_the_gate_and_the_residual_as_the_kernels_
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(dev, dtype)
 
-    hidden, inter, out = 96, 160, 40
-    w_o, w_down, w_up = rand(hidden, 64, scale=0.1), rand(hidden, inter, scale=0.1), rand(out, hidden, scale=0.1)
-    attn, stream, gate_up = rand(m, 64), rand(m, hidden), rand(m, 2 * inter)
-    # residual: y = x @ W.T + stream, parts sum to each row's sum of squares
-    y, parts = triton_gemv.gemv(attn, w_o, residual=stream, launch=(8, 32, 4, 2))
-    launch = (8, 32, 4, 2)  # K in two or more blocks
+    hidden, inter = 96, 160
+    w_o, w_down, w_gate_up = rand(hidden, 64, scale=0.1), rand(hidden, inter, scale=0.1), rand(2 * inter, hidden)
+    attn, stream, norm_w = rand(m, 64), rand(m, hidden), rand(hidden)
+    # residual: y = x @ W.T + stream, parts sum to each row's sum of squares, scaled = y * norm weight
+    y, parts, scaled = triton_gemv.gemv(attn, w_o, residual=stream, scale=norm_w, launch=launch)
     want = (triton_gemv.gemv(attn, w_o, launch=launch).float() + stream.float()).to(dtype)
-    assert torch.equal(y, want) and parts.shape == (m, hidden // 8)
+    assert torch.equal(y, want) and parts.shape == (m, hidden // launch[0])
+    assert torch.equal(scaled, y * norm_w)
     torch.testing.assert_close(parts.sum(1), y.float().pow(2).sum(1), rtol=1e-5, atol=1e-5)
-    # normed input from those parts: add_rms_norm's output, then the product
-    norm_w = rand(hidden)
+    assert triton_gemv.gemv(attn, w_o, residual=stream, launch=launch)[2] is None
+    # the scaled stream's product over its rms, gated: add_rms_norm's output, the product, silu_and_mul
     normed = triton_ops.add_rms_norm(y, None, norm_w, 1e-6)[0]
-    got = triton_gemv.gemv(y, w_up, norm=(norm_w, parts, 1e-6), launch=launch)
-    want = triton_gemv.gemv(normed, w_up, launch=launch)
-    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
-    # gated input with the residual: silu_and_mul, the product, the sum
-    got, _ = triton_gemv.gemv(gate_up, w_down, gated=True, residual=y, launch=launch)
-    want = (triton_gemv.gemv(triton_ops.silu_and_mul(gate_up), w_down, launch=launch).float()
-            + y.float()).to(dtype)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="up to 4 rows"):
-        triton_gemv.gemv(gate_up, w_down)  # not gated: the width is wrong
+    got = triton_gemv.gemv(scaled, w_gate_up, rms=(parts, 1e-6), gate=True, launch=launch)
+    want = triton_ops.silu_and_mul(triton_gemv.gemv(normed, w_gate_up, launch=launch))
+    assert got.shape == (m, inter)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
+    ungated = triton_gemv.gemv(scaled, w_gate_up, rms=(parts, 1e-6), launch=launch)
+    assert torch.equal(got, triton_ops.silu_and_mul(ungated)), "the gate rounds as silu_and_mul"
+    with pytest.raises(ValueError, match="up to"):
+        triton_gemv.gemv(rand(m, 2 * inter), w_down)  # the width is wrong
+    with pytest.raises(ValueError, match="paired epilogue"):
+        triton_gemv.gemv(scaled, w_gate_up[:2 * 70], gate=True, launch=(32, 32, 4, 2, True))
 
 
 @needs_cuda

@@ -17,6 +17,8 @@ from ..layers.parallel import current
 from ..layers.rotary import RotaryEmbedding
 from .config import ArchConfig, DecoderShape
 
+FUSED_ROWS = triton_gemv.MAX_DOT_ROWS  # steps of up to this many tokens run `LlamaModel.fused_rows`'s path
+
 
 class DecoderAttention(nn.Module):
     """A decoder layer's self-attention: q/k/v projection, optional q/k norm, rotary, paged attention, output
@@ -68,6 +70,20 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(x), positions, meta))
 
+    def attend_fused(self, scaled: torch.Tensor, rms: tuple, positions: torch.Tensor, meta: AttentionMetadata,
+                     launch: triton_gemv.Launch) -> torch.Tensor:
+        """The attention output [n, heads * head_dim] of a stream whose input norm `triton_gemv` applies (scaled
+        [n, hidden], the stream times the norm's weight, and rms, its parts and eps): q/k/v as one GEMV whose
+        epilogue also rotates q and k and writes the cache where it can (no q/k norm, metadata that
+        `fuses_kv_write`), then `attend`'s work."""
+        qkv = self.qkv_proj
+        if not (self.q_norm is None and meta.fuses_kv_write and triton_gemv.pairs_fit(self.head_dim, launch)):
+            return self.attend(triton_gemv.gemv(scaled, qkv.weight, qkv.bias, launch, rms=rms), positions, meta)
+        rope = triton_gemv.RopeWrite(self.rotary.cos, self.rotary.sin, positions, self.attn.cache(meta),
+                                     meta.slot_mapping, self.heads, self.kv_heads, self.head_dim)
+        q, k, v = self._split(triton_gemv.gemv(scaled, qkv.weight, qkv.bias, launch, rms=rms, rope=rope))
+        return self.attn(q, k, v, meta, kv_written=True).reshape(scaled.shape[0], -1)
+
     def store_kv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """Write the keys and values of x [n, input_size] at positions [n] into cache slots [n] of this layer
         in kv_cache ([layers, 2, slots, kv_heads, head_dim]), attending to nothing: what forward would store."""
@@ -117,17 +133,20 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
         return self.mlp(x), residual
 
-    def forward_one_row(self, stream: torch.Tensor, parts: torch.Tensor, positions: torch.Tensor,
-                        meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a step of one token in four weight launches (`one_row`): stream [1, hidden] entering
-        the layer and parts, its sum of squares in pieces -> the same for the stream leaving it."""
-        attn, mlp = self.self_attn, self.mlp
-        norm = (self.input_layernorm.weight, parts, self.input_layernorm.eps)
-        qkv = triton_gemv.gemv(stream, attn.qkv_proj.weight, attn.qkv_proj.bias, norm=norm)
-        stream, parts = triton_gemv.gemv(attn.attend(qkv, positions, meta), attn.o_proj.weight, residual=stream)
-        norm = (self.post_attention_layernorm.weight, parts, self.post_attention_layernorm.eps)
-        gate_up = triton_gemv.gemv(stream, mlp.gate_up_proj.weight, norm=norm)
-        return triton_gemv.gemv(gate_up, mlp.down_proj.weight, gated=True, residual=stream)
+    def forward_fused(self, stream: torch.Tensor, parts: torch.Tensor, scaled: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, next_norm: torch.Tensor | None) -> tuple:
+        """`forward` for a step of a few tokens in four weight launches and attention (`fused_rows`): the stream
+        [n, hidden] entering the layer, parts (its sums of squares in pieces) and scaled (it times the input
+        norm's weight) -> the same leaving it, scaled by next_norm (the next layer's input norm weight; None:
+        not scaled)."""
+        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        launch = triton_gemv.layer_launches(stream.shape[0])
+        out = attn.attend_fused(scaled, (parts, self.input_layernorm.eps), positions, meta, launch["qkv"])
+        stream, parts, scaled = triton_gemv.gemv(out, attn.o_proj.weight, launch=launch["o"], residual=stream,
+                                                 scale=post.weight)
+        act = triton_gemv.gemv(scaled, mlp.gate_up_proj.weight, launch=launch["gate_up"], rms=(parts, post.eps),
+                               gate=True)
+        return triton_gemv.gemv(act, mlp.down_proj.weight, launch=launch["down"], residual=stream, scale=next_norm)
 
 
 class LlamaModel(nn.Module):
@@ -139,24 +158,27 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.tp = current()
-        self.dense = all(type(layer.mlp) is MLP for layer in self.layers)  # every layer's MLP `forward_one_row`'s
+        # every layer's MLP `forward_fused`'s, its gate/up pairs fitting the launches
+        self.fusable = all(type(layer.mlp) is MLP for layer in self.layers) and all(
+            triton_gemv.pairs_fit(2 * c.intermediate_size, launch["gate_up"])
+            for launch in map(triton_gemv.layer_launches, (1, 2)))
 
-    def one_row(self, h: torch.Tensor) -> bool:
-        """Whether a step of h [num_tokens, hidden] runs `forward_one_row`: one token on CUDA in half precision,
-        on one rank, every layer dense. A decode step at batch 1 is its weights' reads; the path fuses each
-        layer's norms, activation and residual adds into the four products (`triton_gemv`): six launches a
-        layer where there were nine to eleven."""
-        return (h.shape[0] == 1 and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
+    def fused_rows(self, h: torch.Tensor) -> bool:
+        """Whether a step of h [num_tokens, hidden] runs `forward_fused`: 1 to FUSED_ROWS tokens on CUDA in
+        half precision, on one rank, every layer dense (`fusable`). A decode step at batch 1, or its verify, is its
+        weights' reads; the path fuses each layer's norms, rotary, cache write, activation and residual adds
+        into the four products (`triton_gemv`): five launches a layer where there were nine to eleven."""
+        return (0 < h.shape[0] <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
                 and h.dtype in (torch.bfloat16, torch.float16)
-                and self.norm.weight.dtype == h.dtype and self.tp.size == 1 and self.dense)
+                and self.norm.weight.dtype == h.dtype and self.tp.size == 1 and self.fusable)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """ids, positions [num_tokens] -> final hidden [num_tokens, hidden] (normed) and the residual
         stream entering each layer in aux_layers (what EAGLE-3 drafters read; num_layers = the last output)."""
         h, residual = self.embed_tokens(ids), None  # [num_tokens, hidden]; the stream is h + residual
-        if self.one_row(h):
-            return self._forward_one_row(h, positions, meta, aux_layers)
+        if self.fused_rows(h):
+            return self._forward_fused(h, positions, meta, aux_layers)
         seen = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
@@ -165,14 +187,16 @@ class LlamaModel(nn.Module):
         out, seen[len(self.layers)] = self.norm.add_norm(h, residual)
         return out, [seen[i] for i in aux_layers]
 
-    def _forward_one_row(self, stream: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """`forward` for one token: stream [1, hidden] the embedding, then each layer's output stream."""
+    def _forward_fused(self, stream: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` for a few tokens: stream [n, hidden] the embedding, then each layer's output stream."""
         seen = {}
-        parts = stream.float().pow(2).sum(1, keepdim=True)  # [1, 1]
+        parts = stream.float().pow(2).sum(1, keepdim=True)  # [n, 1]
+        scaled = stream * self.layers[0].input_layernorm.weight  # [n, hidden]
         for i, layer in enumerate(self.layers):
             seen[i] = stream
-            stream, parts = layer.forward_one_row(stream, parts, positions, meta)
+            after = self.layers[i + 1].input_layernorm.weight if i + 1 < len(self.layers) else None
+            stream, parts, scaled = layer.forward_fused(stream, parts, scaled, positions, meta, after)
         seen[len(self.layers)] = stream
         return self.norm(stream), [seen[i] for i in aux_layers]
 
