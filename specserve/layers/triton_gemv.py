@@ -182,22 +182,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     programs = triton.cdiv(n, launch.block_n)
     y = torch.empty(m, n // 2 if gate else n, dtype=x.dtype, device=x.device)  # [m, N] ([m, N / 2] gated)
     r = residual.reshape(m, n) if residual is not None else y
-    parts_out = torch.empty(m, programs if residual is not None else 0, dtype=torch.float32, device=x.device)
+    parts_out = torch.empty(m, programs, dtype=torch.float32, device=x.device) if residual is not None else None
     scaled = torch.empty_like(y) if scale is not None else None
-    parts, eps = rms if rms is not None else (parts_out, 0.0)
+    parts, eps = rms if rms is not None else (None, 0.0)
+    num_parts = parts.shape[1] if parts is not None else 1
     cos, sin, positions, cache, slots, heads, kv_heads, _ = rope if rope is not None else (y, y, y, None, y, 0, 0, 0)
     kc, vc, cache_strides = (cache[0], cache[1], cache.stride()[1:3]) if rope is not None else (y, y, (0, 0))
     block_m = max(16, triton.next_power_of_2(m)) if launch.dot else triton.next_power_of_2(max(m, 1))
     if m:
-        _gemv[(programs,)](rows, weight, y, y if bias is None else bias, parts, r, parts_out,
-                           y if scale is None else scale, y if scaled is None else scaled, cos, sin, positions, slots,
-                           kc, vc, m, n, k, rows.stride(0), weight.stride(0), y.stride(0), r.stride(0),
-                           parts.shape[1], eps, 2 * half * heads, 2 * half * (heads + kv_heads), *cache_strides,
+        _gemv[(programs,)](rows, weight, y, y if bias is None else bias, y if parts is None else parts, r,
+                           y if parts_out is None else parts_out, y if scale is None else scale,
+                           y if scaled is None else scaled, cos, sin, positions, slots, kc, vc, m, n, k,
+                           rows.stride(0), weight.stride(0), y.stride(0), r.stride(0), num_parts, eps,
+                           2 * half * heads, 2 * half * (heads + kv_heads), *cache_strides,
                            RMS=rms is not None, RESIDUAL=residual is not None, SCALE=scale is not None,
                            HAS_BIAS=bias is not None, PAIRED=ROPE if rope is not None else GATE if gate else NONE,
                            DOT=launch.dot, HALF=half, BLOCK_M=block_m, BLOCK_N=launch.block_n,
                            BLOCK_K=launch.block_k, NUM_STAGES=launch.stages,
-                           PARTS_PAD=triton.next_power_of_2(max(parts.shape[1], 1)), num_warps=launch.warps)
+                           PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps)
     y = y.reshape(*x.shape[:-1], y.shape[1])
     if residual is None:
         return y
