@@ -42,9 +42,12 @@ FEW_ROWS = {  # per 8B product at 4 rows, the fastest tensor-core launch of the 
 }
 
 
+ONE_ROW_LAYER = dict.fromkeys(FEW_ROWS, ONE_ROW)  # every decoder-layer product at one row
+
+
 def layer_launches(rows: int) -> dict[str, Launch]:
     """The launch of each decoder-layer product (qkv, o, gate_up, down) at this many rows."""
-    return FEW_ROWS if rows > 1 else dict.fromkeys(FEW_ROWS, ONE_ROW)
+    return FEW_ROWS if rows > 1 else ONE_ROW_LAYER
 
 
 class RopeWrite(NamedTuple):
