@@ -260,3 +260,21 @@ def test_moe_block_triton_router_matches_torch(norm_topk_prob):
     with torch.enable_grad():
         eager = block(x)
     torch.testing.assert_close(fused, eager.detach(), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,top_k,hidden", [(1, 8, 200), (3, 2, 1500), (2, 1, 64)])
+def test_sum_experts_adds_each_tokens_rows_then_rounds_once(n, top_k, hidden, dtype):
+    """Each token's top_k rows summed: exactly, on integers (any order gives them, so a wrong row or column shows);
+    on random fp32 partials rounded to bf16 once, as the torch sum and cast it replaces."""
+    if dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("Triton's interpreter does bf16 arithmetic on the raw uint16 bits")
+    device = torch.device(DEVICE["name"])
+    whole = torch.randint(-50, 50, (n * top_k, hidden), device=device).float()  # [n * top_k, hidden]
+    want = whole.view(n, top_k, hidden).sum(1).to(dtype)
+    assert torch.equal(triton_moe.sum_experts(whole, top_k, dtype), want)
+    part = torch.randn(n * top_k, hidden, device=device)
+    exact = part.double().view(n, top_k, hidden).sum(1)  # [n, hidden]
+    torch.testing.assert_close(triton_moe.sum_experts(part, top_k, dtype), exact.to(dtype),
+                               **({"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {}))

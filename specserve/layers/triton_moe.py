@@ -8,16 +8,17 @@ expert and each expert's rows padded to a whole number of blocks (`align_blocks`
 launch per GEMM: a program takes one block and one BLOCK_N-wide tile of output columns, gathers its rows (x by
 token for gate/up, the activations by assignment for down) and multiplies them by its expert's weights. The
 gate/up GEMM applies SwiGLU in its epilogue, the down GEMM scales each row by its routing weight, and the top_k
-rows of each token are summed in torch (deterministic: no atomics in the sums). Every shape depends only on
-(n, top_k, experts, hidden, intermediate), never on the routing, and nothing is read back to the host, so a
-CUDA graph can hold the whole computation and replay it with new routing.
+rows of each token are summed by a third kernel (`sum_experts`; deterministic: no atomics in the sums). Every
+shape depends only on (n, top_k, experts, hidden, intermediate), never on the routing, and nothing is read back
+to the host, so a CUDA graph can hold the whole computation and replay it with new routing.
 
 A batch of at most DIRECT_TOKENS tokens (a decode step at batch 1 or 2) skips the layout: its few rows are
 weight reads, each expert's a row or two. One launch per assignment reads its expert's gate/up strips for
 SwiGLU (`_direct_up`), and one per assignment reads its expert's down strips and scales them
-(`_direct_down`), summed over the top_k in torch: three launches a layer where the layout, the GEMMs and
-the sum took five. (A program per token looping over its experts read the down weights at ~0.6 TB/s on the
-H200: too few bytes in flight.)
+(`_direct_down`), summed over the top_k by `sum_experts`: three launches a layer where the layout, the GEMMs
+and the sum took five (a torch sum and a cast were two). (A program per token looping over its experts read
+the down weights at ~0.6 TB/s on the H200: too few bytes in flight; session 31 found the same with the loop
+over experts and K as one.)
 
 `route` is the router before them in one launch (softmax, top-k, renormalisation, cast) where torch takes ~6.
 """
@@ -181,6 +182,33 @@ if triton is not None:
                  mask=nmask)  # as the GEMM's epilogue rounds it
 
 
+if triton is not None:
+    @triton.jit
+    def _sum_experts(Part, Out, hidden, stride_pm, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+        # Out[t, cols] = sum over j < TOP_K of Part[t * TOP_K + j, cols], in fp32 in j order, then Out's dtype
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        total = tl.zeros((BLOCK,), tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = (t * TOP_K + j).to(tl.int64)
+            total += tl.load(Part + row * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + t.to(tl.int64) * stride_om + cols, total.to(Out.dtype.element_ty), mask=mask)
+
+
+def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """part [n * top_k, hidden] (each token's top_k rows together) -> [n, hidden] in dtype: the sum of each token's
+    rows in fp32, in row order, rounded once (what part.view(n, top_k, hidden).sum(1) then a cast give, in one
+    launch instead of two)."""
+    rows, hidden = part.shape
+    out = torch.empty(rows // top_k, hidden, dtype=dtype, device=part.device)  # [n, hidden]
+    if rows:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _sum_experts[(rows // top_k, triton.cdiv(hidden, block))](part, out, hidden, part.stride(0), out.stride(0),
+                                                                 TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
 def block_n(n: int, sms: int) -> int:
     """Rows of W per program: 32, halved (to 8) while that leaves fewer than two programs per SM."""
     size = 32
@@ -215,7 +243,7 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     _direct_down[(n * top_k, triton.cdiv(hidden, size))](
         act, w2, flat_experts, scale, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2])
-    return part.view(n, top_k, hidden).sum(1).to(x.dtype)  # [n, hidden]
+    return sum_experts(part, top_k, x.dtype)  # [n, hidden]
 
 
 def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:
@@ -279,7 +307,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         num_warps=4)
-    return y.view(n, top_k, hidden).sum(1)
+    return sum_experts(y, top_k, x.dtype)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool,
