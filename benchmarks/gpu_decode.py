@@ -145,22 +145,19 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
         out["decode"][batch] = row
     engine.overlap = True
     runner = engine.runner
-    out["profile"] = {b: profile(runner.graphs, b) for b in (1, max_bs) if (b, 1) in runner.graphs.graphs}
+    mid = context + args.gen_len // 2  # the decode's mean context, as the roofline counts it
+    out["profile"] = {b: profile(runner, b, mid) for b in (1, max_bs) if (b, 1) in runner.graphs.graphs}
     verify_bs = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_bs]
     graphs = GraphRunner(runner.model, runner.backend, runner.kv_cache, runner.block_size, max(verify_bs),
                          runner.graphs.block_tables.shape[1], [1, 2, 4, 8], (), runner.group, runner.scratch_slot,
                          runner.device)
     graphs.capture()
-    blocks_per_seq = -(-(context + 8) // runner.block_size)
     for batch in verify_bs:
         row = {}
-        table = torch.arange(batch * blocks_per_seq, dtype=torch.int32).view(batch, -1) % runner.num_blocks
-        graphs.block_tables[:batch, :blocks_per_seq].copy_(table)
         for q in (1, 2, 4, 8):
             if (batch, q) not in graphs.graphs:
                 continue
-            graphs.seq_lens[:batch].fill_(context + q)
-            graphs.slots[:batch * q].fill_(runner.scratch_slot)
+            set_context(graphs, runner, batch, q, context)
             row[q] = time_events(graphs.graphs[(batch, q)].replay, 20)
         out["verify_cost"][batch] = {q: {"ms": t * 1e3, "vs_1": t / row[1]} for q, t in row.items()}
         costs = ", ".join(f"{q} tok {t / row[1]:.2f}x" for q, t in row.items())
@@ -191,24 +188,34 @@ def decode_rate(engine, batch: int, context: int, args, arch, gen) -> float:
     return decode_tokens / decode_s
 
 
-def profile(graphs, batch: int) -> list[dict]:
-    """CUDA time per kernel name of one eager forward at this batch (1 token each), largest first."""
+def set_context(graphs, runner, batch: int, q: int, context: int) -> None:
+    """Point the static inputs of graphs' (batch, q) replays at `context` keys a row, each row on its own blocks
+    (so attention reads what a real step would), the new tokens' KV written to the scratch slot."""
+    blocks = -(-(context + q) // runner.block_size)
+    table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, -1) % runner.num_blocks
+    graphs.block_tables[:batch, :blocks].copy_(table)
+    graphs.seq_lens[:batch].fill_(context + q)
+    graphs.slots[:batch * q].fill_(runner.scratch_slot)
+
+
+def profile(runner, batch: int, context: int) -> list[dict]:
+    """CUDA time per kernel name of the engine's (batch, 1) decode graph at `context` keys a row, largest first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    graphs.seq_lens[:batch].fill_(64)
-    with torch.inference_mode():  # the engine's mode: the fused kernels run only without autograd
-        graphs._run(batch, 1)
+    graph = runner.graphs.graphs[(batch, 1)]
+    set_context(runner.graphs, runner, batch, 1, context)
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graph.replay()
         torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                graphs._run(batch, 1)
-            torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]
     table = [{"kernel": e.key[:90], "calls_per_step": e.count / 3, "us_per_step": e.device_time_total / 3}
              for e in rows]
     total = sum(e.device_time_total for e in prof.key_averages()) / 3
-    print(f"profile batch {batch}: {total / 1e3:.2f} ms of kernels per step; top: " +
+    print(f"profile batch {batch}, context {context}: {total / 1e3:.2f} ms of kernels per step; top: " +
           "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
           flush=True)
     return table
