@@ -181,8 +181,6 @@ if triton is not None:
         tl.store(Part + a * stride_pm + cols, (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32),
                  mask=nmask)  # as the GEMM's epilogue rounds it
 
-
-if triton is not None:
     @triton.jit
     def _sum_experts(Part, Out, hidden, stride_pm, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
         # Out[t, cols] = sum over j < TOP_K of Part[t * TOP_K + j, cols], in fp32 in j order, then Out's dtype
