@@ -43,6 +43,39 @@ def test_linear_keeps_autograd_and_other_dtypes_on_f_linear():
     assert torch.equal(linear(half, w.bfloat16()), F.linear(half, w.bfloat16()))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_weights_give_the_product_of_their_dequantized_rows(rows, bias):
+    """A layer quantized to int8 computes x @ (q * scale).T from bfloat16 rows: that product, up to the rounding
+    of the rows and the result (a worked row below pins the scale rule). Its error against the fp32 layer stays
+    within what rounding each weight to 1/254 of its row's largest magnitude allows."""
+    from specserve.layers.linear import ReplicatedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    layer = ReplicatedLinear(48, 72, bias=bias)
+    layer.weight.data.copy_(torch.randn(72, 48, generator=gen))
+    if bias:
+        layer.bias.data.copy_(torch.randn(72, generator=gen))
+    x = torch.randn(rows, 48, generator=gen)
+    exact = layer(x)
+    layer.quantize_int8()
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (72,)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 72)
+    dequantized = layer.weight.float() * layer.weight_scale.float()[:, None]
+    want = x.bfloat16().float() @ dequantized.T + (layer.bias if bias else 0)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - exact).abs().max() < 0.1 * exact.abs().max()
+
+    worked = ReplicatedLinear(16, 1)
+    worked.weight.data.copy_(torch.tensor([[1.0, -0.5, 0.25] + [0.0] * 13]))
+    worked.quantize_int8()  # the largest magnitude maps to 127
+    assert worked.weight.tolist() == [[127, -64, 32] + [0] * 13]  # -63.5 rounds half to even, 31.75 to the nearest
+    assert worked(torch.eye(16)[:3]).flatten().tolist() == pytest.approx([1.0, -64 / 127, 32 / 127], rel=1e-2)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ReplicatedLinear(20, 4).quantize_int8()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="one half-precision row runs as triton_gemv on CUDA")
 @pytest.mark.parametrize("shape", [(1, 4096), (1, 1, 14336), (2, 4096), (5, 4096)])
 def test_one_half_row_on_cuda_is_the_linear(shape):

@@ -124,15 +124,20 @@ def compare_cached_blocks(a, b) -> int:
         assert other is not None and other.tokens == node.tokens
         x, y = slots(node.block, 8), slots(other.block, 8)
         close(a.runner.kv_cache[:, :, x], b.runner.kv_cache[:, :, y])
-        close(a.spec.proposer.kv_cache[:, :, x], b.spec.proposer.kv_cache[:, :, y])
+        close(a.spec.proposer.kv_cache[:, :, x], b.spec.proposer.kv_cache[:, :, y], draft_tolerance(a))
         close(a.spec.proposer.block_features[node.block], b.spec.proposer.block_features[other.block])
         compared += 1
     return compared
 
 
-def close(x: torch.Tensor, y: torch.Tensor) -> None:
+def close(x: torch.Tensor, y: torch.Tensor, tolerance: float = 1e-4) -> None:
     """Equal up to float rounding (the two runs compute in batches of different shapes)."""
-    torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x, y, atol=tolerance, rtol=tolerance)
+
+
+def draft_tolerance(engine) -> float:
+    """A draft on int8 weights (a CPU's default) rounds each product to bfloat16: one ulp is 2**-8 of it."""
+    return 1e-2 if engine.spec.proposer.draft.fc.weight.dtype == torch.int8 else 1e-4
 
 
 def slots(block: int, block_size: int) -> torch.Tensor:

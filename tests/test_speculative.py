@@ -107,6 +107,31 @@ def test_stops_inside_accepted_run(pair, plain_outputs):
     assert_pool_full(llm)
 
 
+def test_a_cpu_draft_runs_on_int8_weights_unless_told_not_to(pair, plain_outputs):
+    """On a CPU the draft's products read int8 weights by default (`speculative_draft_model_quantization`
+    auto); "none" keeps them in the model's dtype. Both are lossless, and the int8 draft still hits. The option
+    is refused on CUDA, which has no such kernel."""
+    import torch
+
+    from specserve.config import ConfigError, SpeculativeConfig
+
+    target, draft = pair
+    prompts, want = plain_outputs
+    on_cpu = DEVICE["name"] == "cpu"
+    for option, dtype in (("auto", torch.int8 if on_cpu else None), ("none", None)):
+        llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                       speculative_policy="always", speculative_draft_model_quantization=option)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == want
+        assert llm.engine.stats.spec.num_accepted_tokens > 0
+        weights = {m.weight.dtype for m in llm.engine.spec.proposer.draft.modules() if hasattr(m, "weight_scale")}
+        assert weights == {dtype or llm.engine.runner.dtype}
+    assert SpeculativeConfig().resolved("cpu").speculative_draft_model_quantization == "int8"
+    assert SpeculativeConfig().resolved("cuda").speculative_draft_model_quantization == "none"
+    with pytest.raises(ConfigError, match="int8' runs on a CPU only"):
+        SpeculativeConfig(speculative_draft_model_quantization="int8").resolved("cuda")
+
+
 def test_bad_drafts_are_refused(pair, tmp_path):
     import json
     import os

@@ -6,6 +6,7 @@ tensor's slice for this rank into it, checking shapes; the model loader calls it
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,8 +34,10 @@ FEW_ROWS = 128  # fp32 products of up to this many rows on a CPU are computed as
 GEMV_ROWS = 1  # half-precision products of this many rows on CUDA run as `triton_gemv` (faster than cuBLAS at one)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for one half-precision row on CUDA
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for int8 weights (`int8_linear`, scale
+    [out] their per-row scales), one half-precision row on CUDA
     (`triton_gemv`, faster than cuBLAS there) and fp32 products of up to FEW_ROWS rows on a CPU, computed as
     (weight @ rows.T).T from row-major rows (one row doubled to two) into a row-major result.
     MKL's kernels for a small right-hand side stream the weight 2-3x faster than its matrix-vector product
@@ -43,6 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     torch 2.13, the shipped target's weights: gate/up at one row 255 us as F.linear, 119 us so; at four rows
     from row-major rows 123 us, from a transposed view 372 us; docs/performance.md, session 28). Above
     FEW_ROWS (prefill) F.linear is faster again (350 rows: 3.6 against 7.8 ms)."""
+    if weight.dtype == torch.int8:
+        return int8_linear(x, weight, scale, bias)
     if x.requires_grad or weight.requires_grad:
         return F.linear(x, weight, bias)
     if x.is_cuda:
@@ -56,7 +61,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not 0 < m <= FEW_ROWS:
         return F.linear(x, weight, bias)
     rows = rows.expand(2, -1).contiguous() if m == 1 else rows.contiguous()  # [max(m, 2), in] row-major
-    y = (weight @ rows.T).T[:m].contiguous()  # [m, out]
+    y = _rows_of(weight @ rows.T, m)  # [m, out]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rows_of(y: torch.Tensor, m: int) -> torch.Tensor:
+    """The first m columns of y [out, >= m] as row-major rows [m, out]. numpy's transposing copy: torch's
+    took 4-6x as long at these shapes on the 2-core CPU (4 x 1,728: 26 against 6 us; 2 x 4,096: 25 against 4)."""
+    return torch.from_numpy(np.ascontiguousarray(y.numpy().T[:m]))
+
+
+INT8_IN_MULTIPLE = 16  # torch's int8 kernel reads rows 16 values at a time, aligned, with no tail (AVX-512)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x [..., in] @ (weight * scale[:, None]).T (+ bias), weight [out, in] int8 and scale [out] bfloat16
+    (`LinearBase.quantize_int8`; in a multiple of INT8_IN_MULTIPLE): torch's weight-only int8 kernel, which
+    takes bfloat16 rows on 32-byte boundaries; the result in x's dtype. On the 2-core CPU it streams a
+    drafter's products 2-3x faster than MKL's fp32 ones (the drafter's LM head at one row: 121 against 283
+    us, cache cold), reading a quarter of the bytes."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [m, in]
+    if rows.data_ptr() % 32:
+        rows = rows.clone()
+    y = torch.ops.aten._weight_int8pack_mm(rows, weight, scale).to(x.dtype)  # [m, out]
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -75,9 +105,22 @@ class LinearBase(nn.Module):
         self.tp = current()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.register_buffer("weight_scale", None, persistent=False)  # [out] once quantize_int8 ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
+
+    def quantize_int8(self) -> None:
+        """Keep the weight as int8 rows, each with one bfloat16 scale (symmetric, its largest magnitude to
+        127): products then run as `int8_linear`. For drafters on a CPU, where their output only proposes."""
+        if self.weight.shape[1] % INT8_IN_MULTIPLE:
+            raise ValueError(f"int8 weights need input features in multiples of {INT8_IN_MULTIPLE}; this layer "
+                             f"has {self.weight.shape[1]}")
+        w = self.weight.detach().float()  # [out, in]
+        scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)  # [out]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.weight = nn.Parameter(q.contiguous(), requires_grad=False)
+        self.weight_scale = scale.to(torch.bfloat16)
 
 
 class ReplicatedLinear(LinearBase):
@@ -165,7 +208,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         third of the work of a full projection where there are four query heads per KV head."""
         q_size = self.num_heads * self.head_dim
         bias = None if self.bias is None else self.bias[q_size:]
-        return linear(x, self.weight[q_size:], bias).chunk(2, dim=-1)
+        scale = None if self.weight_scale is None else self.weight_scale[q_size:]
+        return linear(x, self.weight[q_size:], bias, scale).chunk(2, dim=-1)
 
 
 class RowParallelLinear(LinearBase):
@@ -185,6 +229,6 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded, "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, scale=self.weight_scale)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

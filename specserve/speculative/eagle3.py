@@ -18,7 +18,7 @@ from torch import nn
 
 from ..layers import triton_ops
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import ReplicatedLinear
+from ..layers.linear import INT8_IN_MULTIPLE, LinearBase, ReplicatedLinear
 from ..layers.norm import RMSNorm
 from ..layers.parallel import WHOLE
 from ..layers.rotary import RotaryEmbedding
@@ -130,6 +130,14 @@ class Eagle3Draft(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
+
+    def quantize_int8(self) -> None:
+        """Every product of the draft from int8 weights (`LinearBase.quantize_int8`) where its input features
+        allow (multiples of INT8_IN_MULTIPLE: every published drafter's); the shared embedding stays the
+        target's."""
+        for module in self.modules():
+            if isinstance(module, LinearBase) and module.weight.shape[1] % INT8_IN_MULTIPLE == 0:
+                module.quantize_int8()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

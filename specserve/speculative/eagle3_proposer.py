@@ -96,6 +96,8 @@ class Eagle3Proposer(Proposer):
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, target_embedding,
                                               dtype, device, load_format, seed)
+        if config.speculative_draft_model_quantization == "int8":
+            self.draft.quantize_int8()
         self.aux_layers = self.draft.config.target_aux_layers(target_arch.num_layers)
         attn = self.draft.attention_layers()[0]
         # [1 layer, k/v, slots + scratch, kv_heads, head_dim], indexed by the target's block tables
