@@ -44,3 +44,26 @@ def test_mixed_step_matches_per_sequence_attention():
     got = meta.attend(q, k, v, cache, dim ** -0.5)
     want = reference(q, cache, q_lens, seq_lens, tables, block_size, trees, dim ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lone_sequence_attends_without_padding_indices():
+    """A step of one sequence (decode, a tree verify, a prefill chunk) takes the path that skips the padded
+    gather of queries and the selection of valid outputs; the same result as the reference, with key 0
+    hidden too (the EAGLE-3 draft's metadata)."""
+    torch.manual_seed(1)
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    for q_len, n, trees in ((1, 9, [None]), (3, 17, [tree]), (12, 12, [None])):
+        tables = [list(range(-(-n // block_size)))[::-1]]
+        cache = torch.randn(2, len(tables[0]) * block_size, kv_heads, dim)
+        q, k, v = torch.randn(q_len, heads, dim), torch.randn(q_len, kv_heads, dim), torch.randn(q_len, kv_heads, dim)
+        meta = build_metadata([q_len], [n], tables, block_size, torch.device("cpu"), trees)
+        assert meta.groups[0].alone
+        got = meta.attend(q, k, v, cache, dim ** -0.5)  # writes k and v into the cache first
+        want = reference(q, cache, [q_len], [n], tables, block_size, trees, dim ** -0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if n > q_len:
+            hidden = build_metadata([q_len], [n], tables, block_size, torch.device("cpu"), trees).without_first_key()
+            cache[:, tables[0][0] * block_size] = 1e4  # key 0's slot: would dominate every softmax it entered
+            got = hidden.attend(q, k, v, cache, dim ** -0.5)
+            assert got.abs().max() < 1e3

@@ -33,12 +33,16 @@ class PaddedRows:
     query_valid: torch.Tensor  # [rows, max_q] bool
     kv_slots: torch.Tensor  # [rows, max_kv] cache slot of each context position (pad -> slot of position 0)
     mask: torch.Tensor  # [rows, 1, max_q, max_kv] bool, True = may attend
+    alone: bool = False  # the step's only row: its queries are the step's tokens in order, none padded
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
         keys = self._gather(cache[0]).transpose(1, 2)  # [rows, kv_heads, max_kv, head_dim]
         values = self._gather(cache[1]).transpose(1, 2)
-        queries = q[self.query_index].transpose(1, 2)  # [rows, heads, max_q, head_dim]
+        queries = q.transpose(0, 1)[None] if self.alone else q[self.query_index].transpose(1, 2)
+        # queries: [rows, heads, max_q, head_dim]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=gqa)
+        if self.alone:
+            return out[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
         return out.transpose(1, 2)[self.query_valid]  # [num_valid, heads, head_dim]
 
     def _gather(self, cache: torch.Tensor) -> torch.Tensor:
@@ -61,7 +65,10 @@ class AttentionMetadata:
     def without_first_key(self) -> "AttentionMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
         for g in self.groups:
-            g.mask[:, 0, :, 0] &= ~g.query_valid
+            if g.alone:
+                g.mask[..., 0] = False
+            else:
+                g.mask[:, 0, :, 0] &= ~g.query_valid
         return self
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -208,6 +215,7 @@ def build_metadata(q_lens: list[int], seq_lens: list[int], block_tables: list[li
         by_length.setdefault(max(0, (length - 1).bit_length() - 4), []).append(i)  # 1-16 together, then 17-32, ...
     groups = [_padded_rows(np.asarray(rows), q, n, starts, tables, block_size, tree_masks, device)
               for _, rows in sorted(by_length.items())]
+    groups[0].alone = len(q_lens) == 1
     return AttentionMetadata(slot_mapping=_tensor(slots, device), block_tables=_tensor(tables, device),
                              groups=groups, kv_cache=kv_cache)
 
