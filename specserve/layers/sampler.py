@@ -147,11 +147,11 @@ class Sampler:
                  positions: Optional[Positions] = None) -> torch.Tensor:
         # logits [n, vocab] -> tokens [n]; positions [n]: the absolute sequence index of the token each
         # row draws (needed when a row is seeded)
-        logits = logits.float()
-        tokens = logits.argmax(-1)
+        tokens = logits.argmax(-1)  # the same as its fp32 copy's (the cast keeps order): all-greedy steps skip it
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
             return tokens
+        logits = logits.float()
         device = logits.device
         seeded = [i for i in random_rows if params[i].seed is not None]
         unseeded = [i for i in random_rows if params[i].seed is None]
