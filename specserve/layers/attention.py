@@ -65,10 +65,7 @@ class AttentionMetadata:
     def without_first_key(self) -> "AttentionMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
         for g in self.groups:
-            if g.alone:
-                g.mask[..., 0] = False
-            else:
-                g.mask[:, 0, :, 0] &= ~g.query_valid
+            g.mask[:, 0, :, 0] &= ~g.query_valid
         return self
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -61,10 +61,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not 0 < m <= FEW_ROWS:
         return F.linear(x, weight, bias)
     rows = rows.expand(2, -1).contiguous() if m == 1 else rows.contiguous()  # [max(m, 2), in] row-major
-    y = _rows_of(weight @ rows.T, m)  # [m, out]
+    return _shaped(_rows_of(weight @ rows.T, m), bias, x)
+
+
+def _shaped(y: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """The product rows y [m, out] of x [..., in] with the bias added, shaped [..., out]."""
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _rows_of(y: torch.Tensor, m: int) -> torch.Tensor:
@@ -86,10 +90,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()  # [m, in]
     if rows.data_ptr() % 32:
         rows = rows.clone()
-    y = torch.ops.aten._weight_int8pack_mm(rows, weight, scale).to(x.dtype)  # [m, out]
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return _shaped(torch.ops.aten._weight_int8pack_mm(rows, weight, scale).to(x.dtype), bias, x)
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
