@@ -301,8 +301,13 @@ def main() -> None:
     ap.add_argument("--fused-rows", type=int, default=None,
                     help="steps of up to this many tokens run the fused decoder path (default: llama.FUSED_ROWS; "
                     "0: every step layer by layer), to compare the two")
+    ap.add_argument("--pdl", type=int, choices=(0, 1, 2, 3), default=None,
+                    help="0: Triton kernels launch without programmatic dependent launch (triton_launch), to compare")
     ap.add_argument("--out", default="gpu_decode.json")
     args = ap.parse_args()
+    from specserve.layers import triton_launch
+    if args.pdl is not None:
+        triton_launch.MODE = args.pdl
     if args.gemv_rows is not None:
         from specserve.layers import linear
         linear.GEMV_ROWS = args.gemv_rows
@@ -315,7 +320,7 @@ def main() -> None:
                                         if "all" in args.part else set())
     from specserve.layers import linear
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": args.config,
-              "gemv_rows": linear.GEMV_ROWS, "fused_rows": args.fused_rows,
+              "gemv_rows": linear.GEMV_ROWS, "fused_rows": args.fused_rows, "pdl": triton_launch.MODE,
               "contexts": args.contexts, "gen_len": args.gen_len, "max_model_len": args.max_model_len,
               "ceilings": ceilings("cuda")}
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

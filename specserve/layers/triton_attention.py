@@ -31,6 +31,7 @@ from typing import ClassVar, Optional
 import torch
 
 from ..device import to_device
+from .triton_launch import let_next_launch, pdl, wait_for_previous
 from .triton_split import combine_splits, sm_count, splits_for
 
 try:
@@ -56,8 +57,9 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
+        wait_for_previous(PDL)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.load(tile_seq + tile)
@@ -121,6 +123,7 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
+        let_next_launch(PDL)
         if NUM_SPLITS == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -201,7 +204,7 @@ class TritonMetadata:
             self.block_tables.stride(0), scale,
             GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim,
             BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page, IEEE=q.dtype == torch.float32,
-            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim))
+            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim), **pdl(q))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 

@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from .triton_launch import let_next_launch, pdl, wait_for_previous
+
 try:
     import triton
     import triton.language as tl
@@ -70,7 +72,9 @@ if triton is not None:
               stride_wn, stride_ym, stride_rm, num_parts, eps, q_end, k_end, stride_ct, stride_ch,
               RMS: tl.constexpr, RESIDUAL: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
               PAIRED: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PARTS_PAD: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PARTS_PAD: tl.constexpr,
+              PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # Y = x @ W.T, then in order: RMS: / rms of each row, its sum of squares the sum of Parts [M, num_parts]
         # over K; + Bias; RESIDUAL: + R, PartsOut [M, programs] getting each program's sum of squares of its
         # columns, and SCALE: Scaled = Y * Scale. PAIRED (ROPE or GATE): W's rows are blocks of 2 * HALF, each
@@ -104,6 +108,7 @@ if triton is not None:
                 acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        let_next_launch(PDL)
         if DOT:
             y = acc  # [BLOCK_M, BLOCK_N]
         else:
@@ -202,7 +207,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                            HAS_BIAS=bias is not None, PAIRED=ROPE if rope is not None else GATE if gate else NONE,
                            DOT=launch.dot, HALF=half, BLOCK_M=block_m, BLOCK_N=launch.block_n,
                            BLOCK_K=launch.block_k, NUM_STAGES=launch.stages,
-                           PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps)
+                           PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps, **pdl(rows))
     y = y.reshape(*x.shape[:-1], y.shape[1])
     if residual is None:
         return y

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .triton_launch import let_next_launch, pdl, wait_for_previous
 from .triton_split import sm_count
 
 try:
@@ -45,7 +46,8 @@ def available() -> bool:
 if triton is not None:
     @triton.jit
     def _align_count(experts, counts, ranks, sorted_ids, block_expert, n_assign, num_experts, max_padded, max_blocks,
-                     CHUNK: tl.constexpr):
+                     CHUNK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # padding everywhere (sorted_ids = n_assign, block_expert = num_experts); each assignment's rank in its expert
         i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         tl.store(sorted_ids + i, tl.zeros_like(i) + n_assign, mask=i < max_padded)
@@ -56,7 +58,8 @@ if triton is not None:
 
     @triton.jit
     def _align_place(experts, counts, ranks, sorted_ids, block_expert, n_assign, num_experts,
-                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # each assignment to row (its expert's first row + rank); a block's first row names the block's expert
         ex = tl.arange(0, E_PAD)
         padded = (tl.load(counts + ex, mask=ex < num_experts, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -73,7 +76,8 @@ if triton is not None:
     def _expert_gemm(A, W, Out, Scale, sorted_ids, block_expert, n_assign, num_experts, N, K,
                      stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om,
                      ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # Out[i, cols] for the assignments i of one block of expert e, from row i // ROWS_PER_A of A:
         # GATED: silu(A @ W[e, :N]^T) * (A @ W[e, N:2N]^T); else Scale[i] * (A @ W[e]^T)
         e = tl.load(block_expert + tl.program_id(0))
@@ -98,6 +102,7 @@ if triton is not None:
                 acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
+        let_next_launch(PDL)
         dtype = Out.dtype.element_ty
         if GATED:
             gate = acc.to(dtype).to(tl.float32)
@@ -109,7 +114,8 @@ if triton is not None:
 
     @triton.jit
     def _route(Logits, Weights, Experts, stride_ln, stride_le, num_experts, TOP_K: tl.constexpr,
-               K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr):
+               K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # one token: softmax over the experts in fp32, then TOP_K rounds of argmax (lowest index on ties) and mask
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -134,7 +140,9 @@ if triton is not None:
 if triton is not None:
     @triton.jit
     def _direct_up(X, W13, Experts, Act, inter, hidden, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-                   stride_am, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   stride_am, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # Act[a, cols] = silu(x[t] @ W13[e, cols]^T) * (x[t] @ W13[e, inter + cols]^T) for assignment a = t * TOP_K + j
         a = tl.program_id(0)
         e = tl.load(Experts + a).to(tl.int64)
@@ -153,6 +161,7 @@ if triton is not None:
             up += tl.sum(tl.load(w_ptrs + inter * stride_wn, mask=wmask, other=0.0).to(tl.float32) * x, 1)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
+        let_next_launch(PDL)
         dtype = Act.dtype.element_ty
         g = gate.to(dtype).to(tl.float32)
         tl.store(Act + a * stride_am + cols, ((g / (1.0 + tl.exp(-g))).to(dtype) * up.to(dtype)).to(dtype),
@@ -160,7 +169,8 @@ if triton is not None:
 
     @triton.jit
     def _direct_down(Act, W2, Experts, Weights, Part, hidden, inter, stride_am, stride_we, stride_wn, stride_wk,
-                     stride_pm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     stride_pm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # Part[a, cols] = Weights[a] * (Act[a] @ W2[e, cols]^T) for assignment a, e = Experts[a], in fp32
         a = tl.program_id(0)
         e = tl.load(Experts + a).to(tl.int64)
@@ -177,12 +187,15 @@ if triton is not None:
             acc += tl.sum(w * act, 1)
             act_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
+        let_next_launch(PDL)
         dtype = Act.dtype.element_ty
         tl.store(Part + a * stride_pm + cols, (acc.to(dtype) * tl.load(Weights + a)).to(tl.float32),
                  mask=nmask)  # as the GEMM's epilogue rounds it
 
     @triton.jit
-    def _sum_experts(Part, Out, hidden, stride_pm, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_experts(Part, Out, hidden, stride_pm, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # Out[t, cols] = sum over j < TOP_K of Part[t * TOP_K + j, cols], in fp32 in j order, then Out's dtype
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -203,7 +216,7 @@ def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Ten
     if rows:
         block = min(1024, triton.next_power_of_2(hidden))
         _sum_experts[(rows // top_k, triton.cdiv(hidden, block))](part, out, hidden, part.stride(0), out.stride(0),
-                                                                 TOP_K=top_k, BLOCK=block, num_warps=4)
+                                                                 TOP_K=top_k, BLOCK=block, num_warps=4, **pdl(part))
     return out
 
 
@@ -235,12 +248,12 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     size = up[0] or block_n(n * top_k * inter, count)
     _direct_up[(n * top_k, triton.cdiv(inter, size))](
         x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
-        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], num_warps=up[2])
+        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], num_warps=up[2], **pdl(x))
     part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
     size = down[0] or block_n(n * top_k * hidden, count)
     _direct_down[(n * top_k, triton.cdiv(hidden, size))](
         act, w2, flat_experts, scale, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2])
+        part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2], **pdl(act))
     return sum_experts(part, top_k, x.dtype)  # [n, hidden]
 
 
@@ -269,10 +282,11 @@ def align_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
     chunk = 256
     _align_count[(triton.cdiv(max_padded, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
-                                                    num_experts, max_padded, max_padded // block_m, CHUNK=chunk)
+                                                    num_experts, max_padded, max_padded // block_m, CHUNK=chunk,
+                                                    **pdl(flat))
     _align_place[(triton.cdiv(n_assign, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
                                                   num_experts, BLOCK_M=block_m,
-                                                  E_PAD=triton.next_power_of_2(num_experts), CHUNK=chunk)
+                                                  E_PAD=triton.next_power_of_2(num_experts), CHUNK=chunk, **pdl(flat))
     return sorted_ids, block_expert
 
 
@@ -298,13 +312,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         x, w13, act, scale, sorted_ids, block_expert, n_assign, num_experts, inter, hidden,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
         ROWS_PER_A=top_k, GATED=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4)
+        num_warps=4, **pdl(x))
     y = torch.empty(n_assign, hidden, dtype=x.dtype, device=x.device)  # [n * top_k, hidden]
     _expert_gemm[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
         act, w2, y, scale, sorted_ids, block_expert, n_assign, num_experts, hidden, inter,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
         ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4)
+        num_warps=4, **pdl(act))
     return sum_experts(y, top_k, x.dtype)
 
 
@@ -323,5 +337,5 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
         block = triton.next_power_of_2(num_experts)
         _route[(n,)](logits, weights, experts, logits.stride(0), logits.stride(1), num_experts, TOP_K=top_k,
                      K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK=block,
-                     num_warps=1 if block <= 128 else 4)
+                     num_warps=1 if block <= 128 else 4, **pdl(logits))
     return weights, experts

@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+from .triton_launch import pdl, wait_for_previous
+
 try:
     import triton
     import triton.language as tl
@@ -25,7 +27,8 @@ def use_triton(x: torch.Tensor) -> bool:
 if triton is not None:
     @triton.jit
     def _add_rms_norm(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -41,7 +44,8 @@ if triton is not None:
         tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_and_mul(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    def _silu_and_mul(X, Out, stride_x, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -51,7 +55,9 @@ if triton is not None:
         tl.store(Out + row * stride_o + cols, act * up, mask=mask)
 
     @triton.jit
-    def _rotary(X, Cos, Sin, Pos, stride_t, stride_h, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rotary(X, Cos, Sin, Pos, stride_t, stride_h, heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                PDL: tl.constexpr):
+        wait_for_previous(PDL)
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + tok)
         h = tl.arange(0, BLOCK_H)[:, None]
@@ -82,7 +88,9 @@ if triton is not None:
     @triton.jit
     def _rope_and_cache(Q, K, V, KC, VC, Cos, Sin, Pos, Slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
                         stride_kh, stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
-                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr):
+                        HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr,
+                        PDL: tl.constexpr):
+        wait_for_previous(PDL)
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + tok)
         slot = tl.load(Slots + tok)
@@ -115,7 +123,9 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _embed_norm_pair(Ids, Emb, H, WE, WH, Out, stride_e, stride_h, stride_o, n, eps, BLOCK: tl.constexpr):
+    def _embed_norm_pair(Ids, Emb, H, WE, WH, Out, stride_e, stride_h, stride_o, n, eps, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         tok = tl.load(Ids + row).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -133,7 +143,8 @@ if triton is not None:
 
     @triton.jit
     def _keep_features(Aux, Feat, BFeat, Rows, Pos, Tables, stride_a, stride_f, stride_b, stride_t, scratch_row,
-                       scratch_block, page, max_col, dim, BLOCK: tl.constexpr):
+                       scratch_block, page, max_col, dim, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         b = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         row = tl.load(Rows + b)
@@ -157,7 +168,9 @@ if triton is not None:
         return x ^ (x >> 31)
 
     @triton.jit
-    def _gumbel_argmax(X, Seeds, Pos, Val, Idx, stride_x, stride_v, vocab, BLOCK: tl.constexpr):
+    def _gumbel_argmax(X, Seeds, Pos, Val, Idx, stride_x, stride_v, vocab, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
         seed = tl.load(Seeds + row).to(tl.uint64, bitcast=True)
@@ -194,7 +207,7 @@ def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.
     if n:  # fp fusion on, as nvcc's default --fmad=true compiles torch's log
         _gumbel_argmax[(n, chunks)](filtered, seeds.long().contiguous(), positions.long().contiguous(), vals, idx,
                                     filtered.stride(0), vals.stride(0), vocab, BLOCK=block, num_warps=8,
-                                    enable_fp_fusion=True)
+                                    enable_fp_fusion=True, **pdl(filtered))
     return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 
@@ -207,7 +220,7 @@ def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
     out = torch.empty(n, 2 * width, dtype=hidden.dtype, device=hidden.device)
     if n:
         _embed_norm_pair[(n,)](ids, table, hidden, w_embed, w_hidden, out, table.stride(0), hidden.stride(0),
-                               out.stride(0), width, eps, BLOCK=_pow2(width), num_warps=8)
+                               out.stride(0), width, eps, BLOCK=_pow2(width), num_warps=8, **pdl(ids))
     return out
 
 
@@ -223,7 +236,7 @@ def keep_features(aux: torch.Tensor, features: torch.Tensor, block_features: tor
     _keep_features[(bs, triton.cdiv(dim, block))](
         aux, features, block_features, rows, positions, tables, aux.stride(0), features.stride(0),
         block_features.stride(0), tables.stride(0), features.shape[0] - 1, block_features.shape[0] - 1, page,
-        tables.shape[1] - 1, dim, BLOCK=block, num_warps=4)
+        tables.shape[1] - 1, dim, BLOCK=block, num_warps=4, **pdl(aux))
 
 
 def rotary_fits(x: torch.Tensor, head_dim: int) -> bool:
@@ -246,7 +259,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     _rope_and_cache[(tokens,)](q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps, q.stride(0), q.stride(1),
                                k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads,
                                k.shape[1], HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]),
-                               NORM=qk_norm is not None, num_warps=4)
+                               NORM=qk_norm is not None, num_warps=4, **pdl(q))
 
 
 def _pow2(n: int) -> int:
@@ -260,7 +273,7 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     res_out = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
     _add_rms_norm[(n,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-                        hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden), num_warps=8)
+                        hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden), num_warps=8, **pdl(x))
     return out, res_out
 
 
@@ -270,7 +283,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = two_n // 2
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    _silu_and_mul[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+                                                   **pdl(x))
     return out
 
 
@@ -279,5 +293,5 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     tokens, heads, head_dim = x.shape
     if tokens:
         _rotary[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), heads, HALF=head_dim // 2,
-                           BLOCK_H=_pow2(heads), num_warps=4)
+                           BLOCK_H=_pow2(heads), num_warps=4, **pdl(x))
     return x

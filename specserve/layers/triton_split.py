@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from .triton_launch import pdl, wait_for_previous
+
 try:
     import triton
     import triton.language as tl
@@ -27,7 +29,8 @@ if triton is not None:
     @triton.jit
     def _combine_splits(Acc, M, L, Out, stride_ot, stride_oh,
                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
         # grid (tokens, heads); Acc [T, H, S, D], M, L [T, H, S] fp32; Out [T, H, D]
         tok = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -56,7 +59,7 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
     _combine_splits[(tokens, heads)](
         acc, row_max, row_sum, out, out.stride(0), out.stride(1),
         NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, **pdl(acc))
     return out
 
 
