@@ -40,7 +40,8 @@ def _supported(index: int) -> bool:
 def pdl(x: torch.Tensor) -> dict:
     """The launch options of a kernel whose tensors live where x does: `PDL` for `wait_for_previous`, and the
     launch attribute where the device has it."""
-    if MODE and triton is not None and x.is_cuda and _supported(x.device.index or torch.cuda.current_device()):
+    if MODE and triton is not None and x.is_cuda and _supported(torch.cuda.current_device() if x.device.index is None
+                                                                else x.device.index):
         return {"PDL": MODE, "launch_pdl": True}
     return {"PDL": 0}
 
