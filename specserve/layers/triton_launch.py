@@ -33,15 +33,14 @@ MODE = 3  # 0: off; the next kernel launches 1: after the wait, 2: at exit, 3: a
 
 
 @functools.cache
-def _supported(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+def _supported(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 def pdl(x: torch.Tensor) -> dict:
     """The launch options of a kernel whose tensors live where x does: `PDL` for `wait_for_previous`, and the
     launch attribute where the device has it."""
-    if MODE and triton is not None and x.is_cuda and _supported(torch.cuda.current_device() if x.device.index is None
-                                                                else x.device.index):
+    if MODE and triton is not None and x.is_cuda and _supported(x.device):
         return {"PDL": MODE, "launch_pdl": True}
     return {"PDL": 0}
 
