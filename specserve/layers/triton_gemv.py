@@ -94,6 +94,17 @@ if triton is not None:
         nmask, mmask = cols < N, rows < M
         w_ptrs = W + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
         x_ptrs = X + rows[:, None] * stride_xm + ks[None, :]  # [BLOCK_M, BLOCK_K]
+        omask = mmask[:, None] & nmask[None, :]
+        if HAS_BIAS:  # the epilogue's loads before the weights stream, not after
+            bias = tl.load(Bias + cols, mask=nmask, other=0.0)
+        if RESIDUAL:
+            r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=omask, other=0.0)
+            if SCALE:
+                weight = tl.load(Scale + cols, mask=nmask, other=0.0)
+        if RMS:
+            p = tl.arange(0, PARTS_PAD)
+            parts = tl.load(Parts + rows[:, None] * num_parts + p[None, :],
+                            mask=mmask[:, None] & (p < num_parts)[None, :], other=0.0)  # [BLOCK_M, PARTS_PAD]
         if DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         else:
@@ -114,21 +125,16 @@ if triton is not None:
         else:
             y = tl.sum(acc, 2)  # [BLOCK_M, BLOCK_N]
         if RMS:
-            p = tl.arange(0, PARTS_PAD)
-            parts = tl.load(Parts + rows[:, None] * num_parts + p[None, :],
-                            mask=mmask[:, None] & (p < num_parts)[None, :], other=0.0)  # [BLOCK_M, PARTS_PAD]
             y = y / tl.sqrt(tl.sum(parts, 1) / K + eps)[:, None]
         y = y.to(Y.dtype.element_ty)
-        omask = mmask[:, None] & nmask[None, :]
         if HAS_BIAS:
-            y += tl.load(Bias + cols, mask=nmask, other=0.0)[None, :]
+            y += bias[None, :]
         if RESIDUAL:  # as _add_rms_norm rounds the stream
-            r = tl.load(R + rows[:, None] * stride_rm + cols[None, :], mask=omask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
             yf = tl.where(omask, y.to(tl.float32), 0.0)
             tl.store(PartsOut + rows * tl.num_programs(0) + tl.program_id(0), tl.sum(yf * yf, 1), mask=mmask)
             if SCALE:
-                scaled = y * tl.load(Scale + cols, mask=nmask, other=0.0)[None, :]
+                scaled = y * weight[None, :]
                 tl.store(Scaled + rows[:, None] * stride_ym + cols[None, :], scaled, mask=omask)
         if PAIRED == 1:  # as _rope_and_cache rounds it
             pos = tl.load(Pos + rows, mask=mmask, other=0).to(tl.int64)[:, None]  # [BLOCK_M, 1]

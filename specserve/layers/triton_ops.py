@@ -32,14 +32,14 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)  # every load first: one memory round trip
+        w = tl.load(W + cols, mask=mask, other=0.0)
         if HAS_RES:
             x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)).to(
                 Out.dtype.element_ty)
             tl.store(ROut + row * stride_ro + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0)
         y = (xf * rstd).to(Out.dtype.element_ty) * w
         tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=mask)
 
@@ -91,34 +91,35 @@ if triton is not None:
                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr,
                         PDL: tl.constexpr):
         wait_for_previous(PDL)
+        # every load before any store (a store may alias a later load, so the compiler keeps their order):
+        # two memory round trips, the position's and then cos / sin, where loads after stores took four
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + tok)
         slot = tl.load(Slots + tok)
         d = tl.arange(0, HALF)[None, :]
-        cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
-        sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
         h = tl.arange(0, BLOCK_H)[:, None]
         qmask = h < heads
-        qb = Q + tok * stride_qt + h * stride_qh
-        a = tl.load(qb + d, mask=qmask, other=0.0).to(tl.float32)
-        b = tl.load(qb + HALF + d, mask=qmask, other=0.0).to(tl.float32)
-        if NORM:
-            a, b = _normed(a, b, QW, eps, HALF, Q.dtype.element_ty)
-        tl.store(qb + d, (a * cos - b * sin).to(Q.dtype.element_ty), mask=qmask)
-        tl.store(qb + HALF + d, (b * cos + a * sin).to(Q.dtype.element_ty), mask=qmask)
+        qp = Q + tok * stride_qt + h * stride_qh
+        qa = tl.load(qp + d, mask=qmask, other=0.0).to(tl.float32)
+        qb = tl.load(qp + HALF + d, mask=qmask, other=0.0).to(tl.float32)
         kh = tl.arange(0, BLOCK_KH)[:, None]
         kmask = kh < kv_heads
-        kb = K + tok * stride_kt + kh * stride_kh
-        a = tl.load(kb + d, mask=kmask, other=0.0).to(tl.float32)
-        b = tl.load(kb + HALF + d, mask=kmask, other=0.0).to(tl.float32)
-        if NORM:
-            a, b = _normed(a, b, KW, eps, HALF, K.dtype.element_ty)
-        cb = KC + slot * stride_ct + kh * stride_ch
-        tl.store(cb + d, (a * cos - b * sin).to(KC.dtype.element_ty), mask=kmask)
-        tl.store(cb + HALF + d, (b * cos + a * sin).to(KC.dtype.element_ty), mask=kmask)
-        vb = V + tok * stride_vt + kh * stride_vh
+        kp = K + tok * stride_kt + kh * stride_kh
+        ka = tl.load(kp + d, mask=kmask, other=0.0).to(tl.float32)
+        kb = tl.load(kp + HALF + d, mask=kmask, other=0.0).to(tl.float32)
         vd = tl.arange(0, 2 * HALF)[None, :]
-        tl.store(VC + slot * stride_ct + kh * stride_ch + vd, tl.load(vb + vd, mask=kmask, other=0.0), mask=kmask)
+        v = tl.load(V + tok * stride_vt + kh * stride_vh + vd, mask=kmask, other=0.0)
+        cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
+        sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
+        if NORM:
+            qa, qb = _normed(qa, qb, QW, eps, HALF, Q.dtype.element_ty)
+            ka, kb = _normed(ka, kb, KW, eps, HALF, K.dtype.element_ty)
+        tl.store(qp + d, (qa * cos - qb * sin).to(Q.dtype.element_ty), mask=qmask)
+        tl.store(qp + HALF + d, (qb * cos + qa * sin).to(Q.dtype.element_ty), mask=qmask)
+        cb = KC + slot * stride_ct + kh * stride_ch
+        tl.store(cb + d, (ka * cos - kb * sin).to(KC.dtype.element_ty), mask=kmask)
+        tl.store(cb + HALF + d, (kb * cos + ka * sin).to(KC.dtype.element_ty), mask=kmask)
+        tl.store(VC + slot * stride_ct + kh * stride_ch + vd, v, mask=kmask)
 
 
 if triton is not None:
