@@ -136,25 +136,32 @@ def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the few-row decoder path runs on CUDA in half precision")
-@pytest.mark.parametrize("qkv_bias,qk_norm,rows", [(False, False, 1), (True, False, 1), (False, True, 1),
-                                                   (False, False, 4), (True, False, 11), (False, True, 4)])
-def test_fused_decoder_path_is_the_layered_path(qkv_bias, qk_norm, rows):
+@pytest.mark.parametrize("qkv_bias,qk_norm,rows,moe", [(False, False, 1, False), (True, False, 1, False),
+                                                       (False, True, 1, False), (False, False, 4, False),
+                                                       (True, False, 11, False), (False, True, 4, False),
+                                                       (False, True, 1, True), (False, True, 2, True)])
+def test_fused_decoder_path_is_the_layered_path(qkv_bias, qk_norm, rows, moe):
     """A step of 1-16 tokens on CUDA in bf16 runs every layer as four fused products (`LlamaModel.fused_rows`;
     one row on the FMA units, more on the tensor cores; rotary and the cache write in the q/k/v product's
     epilogue without q/k norm): the final hidden states, the aux streams and the cache agree with the
     layer-by-layer path over the same cache (bf16 roundings apart), for Llama, Qwen2 (q/k/v bias) and Qwen3
-    (q/k norm); tokens of two sequences, one of them a verify's several."""
+    (q/k norm); tokens of two sequences, one of them a verify's several. Qwen3-MoE (routed experts, a dense
+    layer between) takes the path at one and two tokens, its experts' norms and sums fused
+    (`triton_moe.direct_fused`)."""
     from specserve.layers.attention import attention_backend
     from specserve.models.config import ArchConfig
-    from specserve.models.llama import LlamaForCausalLM
+    from specserve.models.registry import model_class
 
     dev = torch.device("cuda")
+    raw = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "norm_topk_prob": True,
+           "mlp_only_layers": [1]} if moe else {}
+    arch = "Qwen3MoeForCausalLM" if moe else "LlamaForCausalLM"
     c = ArchConfig(vocab_size=300, hidden_size=256, intermediate_size=704, num_layers=3, num_heads=8,
                    num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-                   max_position_embeddings=256, architecture="LlamaForCausalLM", tie_word_embeddings=False,
-                   qkv_bias=qkv_bias, qk_norm=qk_norm, eos_token_ids=(), raw={})
+                   max_position_embeddings=256, architecture=arch, tie_word_embeddings=False,
+                   qkv_bias=qkv_bias, qk_norm=qk_norm, eos_token_ids=(), raw=raw)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(c)
+    model = model_class(arch)(c)
     for p in model.parameters():
         p.data.normal_(0, 0.05)
     model = model.to(dev, torch.bfloat16).eval()

@@ -134,6 +134,33 @@ def test_direct_kernels_for_a_few_tokens(monkeypatch, n, num_experts, top_k, str
     torch.testing.assert_close(direct, triton_moe.fused_experts(x, w13, w2, weights, experts), rtol=1e-4, atol=1e-5)
 
 
+@needs_kernels
+@pytest.mark.parametrize("n,num_experts,top_k", [(1, 16, 8), (2, 8, 2)])
+def test_direct_fused_is_the_norm_the_experts_and_the_residual_add(n, num_experts, top_k):
+    """`direct_fused` (the decoder path of a few tokens): the experts of the stream normed by its rms, given as
+    the stream times the norm weight and the stream's sums of squares in parts, plus the stream; and the next
+    norm's inputs (parts of the new stream's squares, it times the next weight), as the layered path computes
+    them with an RMSNorm before and an add after (fp32: within rounding)."""
+    device = torch.device(DEVICE["name"])
+    hidden, inter = 200, 72
+    w13, w2 = make_weights(num_experts, hidden, inter, torch.float32, device)
+    stream = torch.randn(n, hidden, device=device)  # [n, hidden]
+    norm_w, next_w = torch.rand(hidden, device=device) + 0.5, torch.rand(hidden, device=device) + 0.5
+    weights, experts = random_routing(n, num_experts, top_k, device)
+    sq = stream.pow(2)
+    parts = torch.stack([sq[:, :77].sum(1), sq[:, 77:].sum(1)], 1)  # [n, 2] the sums of squares in two pieces
+    normed = stream / torch.sqrt(sq.mean(1, keepdim=True) + 1e-6) * norm_w
+    want = stream + triton_moe.fused_experts(normed, w13, w2, weights, experts)
+    got, got_parts, scaled = triton_moe.direct_fused(stream * norm_w, (parts, 1e-6), w13, w2, weights, experts,
+                                                     stream, next_w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_parts.sum(1), want.pow(2).sum(1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(scaled, got * next_w, rtol=1e-6, atol=1e-6)
+    last, last_parts, none = triton_moe.direct_fused(stream * norm_w, (parts, 1e-6), w13, w2, weights, experts,
+                                                     stream, None)
+    assert none is None and torch.equal(last, got) and torch.equal(last_parts, got_parts)
+
+
 @needs_cuda
 def test_cuda_graph_replays_new_routing():
     device, dtype = torch.device("cuda"), torch.bfloat16

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import triton_moe
+from . import triton_gemv, triton_moe
 from .linear import ReplicatedLinear, ShapeMismatch, copy_checked, linear
 from .parallel import current
 from .triton_ops import use_triton
@@ -110,6 +110,21 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.gate = ReplicatedLinear(hidden, num_experts)  # [experts, hidden]
         self.experts = Experts(num_experts, hidden, intermediate)
+
+    def fuses(self, rows: int) -> bool:
+        """Whether `forward_fused` takes a step of this many rows (the direct expert kernels': a few)."""
+        return triton_moe.available() and rows <= triton_moe.DIRECT_TOKENS
+
+    def forward_fused(self, scaled: torch.Tensor, rms: tuple, stream: torch.Tensor, next_norm: torch.Tensor | None,
+                      launch: dict) -> tuple:
+        """The feed-forward block of `DecoderLayer.forward_fused` (its contract: `llama.MLP.forward_fused`):
+        the router's product with the norm fused (`triton_gemv.gemv`), `triton_moe.route`, then the experts
+        with the norm, the sum, the residual add and the next norm's inputs fused (`triton_moe.direct_fused`):
+        four launches where the layered path takes six."""
+        logits = triton_gemv.gemv(scaled, self.gate.weight, launch=launch["o"], rms=rms)  # [n, experts]
+        weights, experts = triton_moe.route(logits, self.top_k, self.norm_topk_prob, scaled.dtype)
+        return triton_moe.direct_fused(scaled, rms, self.experts.w13, self.experts.w2, weights, experts, stream,
+                                       next_norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         if use_triton(x):  # the router in one kernel: [n, top_k] each, experts int32

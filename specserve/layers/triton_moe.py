@@ -139,16 +139,20 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def _direct_up(X, W13, Experts, Act, inter, hidden, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-                   stride_am, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+    def _direct_up(X, W13, Experts, Act, Parts, inter, hidden, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+                   stride_am, num_parts, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   RMS: tl.constexpr, PARTS_PAD: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
-        # Act[a, cols] = silu(x[t] @ W13[e, cols]^T) * (x[t] @ W13[e, inter + cols]^T) for assignment a = t * TOP_K + j
+        # Act[a, cols] = silu(x[t] @ W13[e, cols]^T) * (x[t] @ W13[e, inter + cols]^T) for assignment a = t * TOP_K + j;
+        # RMS: both products divided by the rms of row t, its sum of squares over hidden the sum of Parts[t]
         a = tl.program_id(0)
         e = tl.load(Experts + a).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < inter
         ks = tl.arange(0, BLOCK_K)
+        if RMS:  # loaded before the weights stream, not after
+            p = tl.arange(0, PARTS_PAD)
+            total = tl.sum(tl.load(Parts + (a // TOP_K) * num_parts + p, mask=p < num_parts, other=0.0), 0)
         x_ptrs = X + (a // TOP_K).to(tl.int64) * stride_xm + ks * stride_xk  # [BLOCK_K]
         w_ptrs = W13 + e * stride_we + cols[:, None] * stride_wn + ks[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
         gate = tl.zeros((BLOCK_N,), tl.float32)
@@ -162,6 +166,10 @@ if triton is not None:
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
         let_next_launch(PDL)
+        if RMS:
+            rms = tl.sqrt(total / hidden + eps)
+            gate = gate / rms
+            up = up / rms
         dtype = Act.dtype.element_ty
         g = gate.to(dtype).to(tl.float32)
         tl.store(Act + a * stride_am + cols, ((g / (1.0 + tl.exp(-g))).to(dtype) * up.to(dtype)).to(dtype),
@@ -193,31 +201,61 @@ if triton is not None:
                  mask=nmask)  # as the GEMM's epilogue rounds it
 
     @triton.jit
-    def _sum_experts(Part, Out, hidden, stride_pm, stride_om, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    def _sum_experts(Part, Out, R, PartsOut, Scale, Scaled, hidden, stride_pm, stride_om, stride_rm,
+                     TOP_K: tl.constexpr, BLOCK: tl.constexpr, RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
                      PDL: tl.constexpr):
         wait_for_previous(PDL)
-        # Out[t, cols] = sum over j < TOP_K of Part[t * TOP_K + j, cols], in fp32 in j order, then Out's dtype
+        # Out[t, cols] = sum over j < TOP_K of Part[t * TOP_K + j, cols], in fp32 in j order, then Out's dtype;
+        # RESIDUAL: + R[t] (rounded as _add_rms_norm rounds the stream), PartsOut[t, program] its sum of squares
+        # over cols; SCALE: Scaled[t, cols] = Out * Scale (the next norm's inputs, as triton_gemv's epilogue)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
+        if RESIDUAL:  # every load first: one memory round trip
+            r = tl.load(R + t.to(tl.int64) * stride_rm + cols, mask=mask, other=0.0)
+            if SCALE:
+                weight = tl.load(Scale + cols, mask=mask, other=0.0)
         total = tl.zeros((BLOCK,), tl.float32)
         for j in tl.static_range(TOP_K):
             row = (t * TOP_K + j).to(tl.int64)
             total += tl.load(Part + row * stride_pm + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + t.to(tl.int64) * stride_om + cols, total.to(Out.dtype.element_ty), mask=mask)
+        dtype = Out.dtype.element_ty
+        y = total.to(dtype)
+        if RESIDUAL:
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            yf = tl.where(mask, y.to(tl.float32), 0.0)
+            tl.store(PartsOut + t * tl.num_programs(1) + tl.program_id(1), tl.sum(yf * yf, 0))
+            if SCALE:
+                scaled = y * weight
+                tl.store(Scaled + t.to(tl.int64) * stride_om + cols, scaled, mask=mask)
+        tl.store(Out + t.to(tl.int64) * stride_om + cols, y, mask=mask)
 
 
-def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype, residual: torch.Tensor | None = None,
+                scale: torch.Tensor | None = None):
     """part [n * top_k, hidden] (each token's top_k rows together) -> [n, hidden] in dtype: the sum of each token's
     rows in fp32, in row order, rounded once (what part.view(n, top_k, hidden).sum(1) then a cast give, in one
-    launch instead of two)."""
+    launch instead of two).
+
+    With residual [n, hidden] (a decoder layer's stream before the experts), as `triton_gemv.gemv`'s residual
+    epilogue: returns (that sum + residual, parts [n, programs] fp32 of its squares, and with scale [hidden] the
+    sum times scale, else None): the next norm's inputs, where `add_rms_norm` would be one launch more."""
     rows, hidden = part.shape
-    out = torch.empty(rows // top_k, hidden, dtype=dtype, device=part.device)  # [n, hidden]
+    n = rows // top_k
+    out = torch.empty(n, hidden, dtype=dtype, device=part.device)  # [n, hidden]
+    block = min(1024, triton.next_power_of_2(hidden))
+    programs = triton.cdiv(hidden, block)
+    parts = torch.empty(n, programs, dtype=torch.float32, device=part.device) if residual is not None else None
+    scaled = torch.empty_like(out) if scale is not None else None
     if rows:
-        block = min(1024, triton.next_power_of_2(hidden))
-        _sum_experts[(rows // top_k, triton.cdiv(hidden, block))](part, out, hidden, part.stride(0), out.stride(0),
-                                                                 TOP_K=top_k, BLOCK=block, num_warps=4, **pdl(part))
-    return out
+        r = residual if residual is not None else out
+        _sum_experts[(n, programs)](part, out, r, out if parts is None else parts, out if scale is None else scale,
+                                    out if scaled is None else scaled, hidden, part.stride(0), out.stride(0),
+                                    r.stride(0), TOP_K=top_k, BLOCK=block, RESIDUAL=residual is not None,
+                                    SCALE=scale is not None, num_warps=4, **pdl(part))
+    if residual is None:
+        return out
+    return out, parts, scaled
 
 
 def block_n(n: int, sms: int) -> int:
@@ -235,26 +273,42 @@ DIRECT_DOWN: DirectLaunch = (8, 256, 4)
 
 
 def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-            experts: torch.Tensor, up: DirectLaunch = DIRECT_UP, down: DirectLaunch = DIRECT_DOWN) -> torch.Tensor:
-    """`fused_experts` for a few tokens without the layout by expert: two launches (their settings:
-    benchmarks/moe_direct_kernel.py compares them)."""
+            experts: torch.Tensor, up: DirectLaunch = DIRECT_UP, down: DirectLaunch = DIRECT_DOWN,
+            rms: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None):
+    """`fused_experts` for a few tokens without the layout by expert: two launches and the sum (their settings:
+    benchmarks/moe_direct_kernel.py compares them); rms, residual and scale as `direct_fused`."""
     n, hidden = x.shape
     top_k = experts.shape[1]
     inter = w2.shape[2]
     count = sm_count(x.device)
     flat_experts = experts.contiguous().view(-1)  # [n * top_k]
-    scale = weights.contiguous().view(-1)  # [n * top_k]
+    routing = weights.contiguous().view(-1)  # [n * top_k]
     act = torch.empty(n * top_k, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
     size = up[0] or block_n(n * top_k * inter, count)
+    parts, eps = rms if rms is not None else (act, 0.0)
+    num_parts = parts.shape[1] if rms is not None else 1
     _direct_up[(n * top_k, triton.cdiv(inter, size))](
-        x, w13, flat_experts, act, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
-        w13.stride(2), act.stride(0), TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], num_warps=up[2], **pdl(x))
+        x, w13, flat_experts, act, parts, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
+        w13.stride(2), act.stride(0), num_parts, eps, TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1],
+        RMS=rms is not None, PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=up[2], **pdl(x))
     part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
     size = down[0] or block_n(n * top_k * hidden, count)
     _direct_down[(n * top_k, triton.cdiv(hidden, size))](
-        act, w2, flat_experts, scale, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
+        act, w2, flat_experts, routing, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2], **pdl(act))
-    return sum_experts(part, top_k, x.dtype)  # [n, hidden]
+    return sum_experts(part, top_k, x.dtype, residual, scale)  # [n, hidden] (with residual: and the next norm's)
+
+
+def direct_fused(scaled: torch.Tensor, rms: tuple[torch.Tensor, float], w13: torch.Tensor, w2: torch.Tensor,
+                 weights: torch.Tensor, experts: torch.Tensor, residual: torch.Tensor,
+                 scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A decoder layer's experts for at most DIRECT_TOKENS tokens with the norms around them fused
+    (`LlamaModel.fused_rows`): scaled [n, hidden] (the stream times the post-attention norm's weight) and rms
+    (the stream's sums of squares in parts [n, p], eps) as `triton_gemv.gemv`'s rms; residual [n, hidden], the
+    stream; scale [hidden], the next layer's input norm weight (None: last layer). Returns the stream after the
+    experts, its parts and it times scale (None without scale), as `triton_gemv.gemv`'s residual epilogue."""
+    return _direct(scaled, w13, w2, weights, experts, rms=rms, residual=residual, scale=scale)
 
 
 def _config(n_assign: int, num_experts: int) -> tuple[int, int, int]:

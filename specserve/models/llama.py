@@ -115,6 +115,19 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def fuses(self, rows: int) -> bool:
+        """Whether `forward_fused` takes a step of this many rows: up to FUSED_ROWS, gate/up pairs fitting."""
+        return rows <= FUSED_ROWS and triton_gemv.pairs_fit(self.gate_up_proj.weight.shape[0],
+                                                            triton_gemv.layer_launches(rows)["gate_up"])
+
+    def forward_fused(self, scaled: torch.Tensor, rms: tuple, stream: torch.Tensor, next_norm: torch.Tensor | None,
+                      launch: dict) -> tuple:
+        """A feed-forward block of `DecoderLayer.forward_fused`: scaled [n, hidden] (the stream times the
+        post-attention norm's weight) and rms (the stream's parts, eps) in, the stream after the block, its
+        parts and it times next_norm out, as `triton_gemv.gemv`'s residual epilogue: two products here."""
+        act = triton_gemv.gemv(scaled, self.gate_up_proj.weight, launch=launch["gate_up"], rms=rms, gate=True)
+        return triton_gemv.gemv(act, self.down_proj.weight, launch=launch["down"], residual=stream, scale=next_norm)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ArchConfig, rotary: RotaryEmbedding, mlp: nn.Module, layer: int):
@@ -139,14 +152,12 @@ class DecoderLayer(nn.Module):
         [n, hidden] entering the layer, parts (its sums of squares in pieces) and scaled (it times the input
         norm's weight) -> the same leaving it, scaled by next_norm (the next layer's input norm weight; None:
         not scaled)."""
-        attn, mlp, post = self.self_attn, self.mlp, self.post_attention_layernorm
+        attn, post = self.self_attn, self.post_attention_layernorm
         launch = triton_gemv.layer_launches(stream.shape[0])
         out = attn.attend_fused(scaled, (parts, self.input_layernorm.eps), positions, meta, launch["qkv"])
         stream, parts, scaled = triton_gemv.gemv(out, attn.o_proj.weight, launch=launch["o"], residual=stream,
                                                  scale=post.weight)
-        act = triton_gemv.gemv(scaled, mlp.gate_up_proj.weight, launch=launch["gate_up"], rms=(parts, post.eps),
-                               gate=True)
-        return triton_gemv.gemv(act, mlp.down_proj.weight, launch=launch["down"], residual=stream, scale=next_norm)
+        return self.mlp.forward_fused(scaled, (parts, post.eps), stream, next_norm, launch)
 
 
 class LlamaModel(nn.Module):
@@ -158,19 +169,23 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.tp = current()
-        # every layer's MLP `forward_fused`'s, its gate/up pairs fitting the launches
-        self.fusable = all(type(layer.mlp) is MLP for layer in self.layers) and all(
-            triton_gemv.pairs_fit(2 * c.intermediate_size, launch["gate_up"])
-            for launch in map(triton_gemv.layer_launches, (1, 2)))
+        self._fuses: dict[int, bool] = {}  # rows -> whether every layer's feed-forward block `fuses` them
 
     def fused_rows(self, h: torch.Tensor) -> bool:
         """Whether a step of h [num_tokens, hidden] runs `forward_fused`: 1 to FUSED_ROWS tokens on CUDA in
-        half precision, on one rank, every layer dense (`fusable`). A decode step at batch 1, or its verify, is its
-        weights' reads; the path fuses each layer's norms, rotary, cache write, activation and residual adds
-        into the four products (`triton_gemv`): five launches a layer where there were nine to eleven."""
-        return (0 < h.shape[0] <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
-                and h.dtype in (torch.bfloat16, torch.float16)
-                and self.norm.weight.dtype == h.dtype and self.tp.size == 1 and self.fusable)
+        half precision, on one rank, where every layer's feed-forward block `fuses` them (a dense MLP up to
+        FUSED_ROWS, routed experts up to `triton_moe.DIRECT_TOKENS`). A decode step at batch 1, or its verify, is
+        its weights' reads; the path fuses each layer's norms, rotary, cache write, activation and residual adds
+        into the products (`triton_gemv`): five launches a dense layer where there were nine to eleven, nine a
+        layer of experts where there were eleven."""
+        n = h.shape[0]
+        if not (0 < n <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
+                and h.dtype in (torch.bfloat16, torch.float16) and self.norm.weight.dtype == h.dtype
+                and self.tp.size == 1):
+            return False
+        if n not in self._fuses:
+            self._fuses[n] = all(hasattr(layer.mlp, "fuses") and layer.mlp.fuses(n) for layer in self.layers)
+        return self._fuses[n]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
