@@ -147,7 +147,7 @@ class GraphRunner:
             hidden, aux = self.model(self.ids[:q], self.positions[:q], self._mixed_meta(q), self.aux_layers)
             aux = torch.cat(aux, dim=-1) if aux else None  # [q, aux_dim]
             rows = min(q, self.max_bs)  # a step of q tokens samples at most q rows
-            return self.model.compute_logits(hidden[self.logit_rows[:rows]]).float(), aux
+            return self.model.compute_logits(hidden[self.logit_rows[:rows]]), aux
         n = bs * q
         follows = q == 1 and self.follow is not None
         if follows:  # the draft's share that needs no output of the model runs beside it
@@ -161,7 +161,7 @@ class GraphRunner:
             main.wait_stream(self.side)
             self.follow.keep(aux, self.positions[:bs], self.block_tables[:bs], self.req_indices[:bs])
             aux = None
-        return self.model.compute_logits(hidden).float(), aux
+        return self.model.compute_logits(hidden), aux
 
     @torch.inference_mode()
     def capture(self) -> float:

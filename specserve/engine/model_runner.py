@@ -38,7 +38,7 @@ class StepTensors:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [num_rows, vocab] fp32: one row per sampling sequence, one per node of a draft
+    logits: torch.Tensor  # [num_rows, vocab] in the model's dtype: a row per sampling sequence, per node of a draft
     rows: list[range]  # per batch item, its logits rows (empty when it does not sample)
     aux: Optional[torch.Tensor]  # [num_tokens, aux_dim] auxiliary hidden states, when asked for
     token_offsets: list[int]  # per batch item, the flat index of its first token
@@ -215,7 +215,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInputs, aux_layers: tuple[int, ...], sampled: int = 0
             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
-        """The model on one step: logits [len(logit_index), vocab] fp32, the auxiliary hidden states
+        """The model on one step: logits [len(logit_index), vocab] in the model's dtype (`Sampler` and
+        `filtered_logits` compute in fp32 what needs it), the auxiliary hidden states
         [num_tokens, aux_dim] (None without aux_layers) and, beside them when the step ran eagerly, its
         inputs on the device; from a CUDA graph when one fits. Ranks other than 0 then receive the
         `sampled` tokens rank 0 publishes for this step."""
@@ -248,7 +249,7 @@ class ModelRunner:
         aux_layers = self._own_aux(aux_layers)
         ids, positions = self.resolve_pending(self._ids(step.ids)), self._ids(step.positions)
         hidden, aux = self.model(ids, positions, meta, aux_layers)
-        logits = self.model.compute_logits(hidden[self._ids(step.logit_index)]).float()
+        logits = self.model.compute_logits(hidden[self._ids(step.logit_index)])
         if not aux:
             return logits, None, None
         return logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping)

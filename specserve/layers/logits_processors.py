@@ -110,8 +110,8 @@ def process_logits(logits: torch.Tensor, seqs: Sequence, pending: Optional[torch
     sampled tokens, read at seq.pending_row by sequences whose last token is still on the device
     (seq.num_pending)."""
     rows = processed_rows(seqs)
-    if rows:
-        logits = penalise(logits, seqs, rows, pending)
+    if rows:  # in fp32 (the model's logits may be half precision)
+        logits = penalise(logits.float(), seqs, rows, pending)
     return mask_logits(logits, seqs, pending)
 
 
@@ -173,6 +173,7 @@ def process_tree_logits(logits: torch.Tensor, seqs: Sequence, tokens: torch.Tens
     rows = processed_rows(seqs)
     if not rows:
         return logits
+    logits = logits.float()  # [B, N, V] (the model's may be half precision)
     b, n, v = logits.shape
     dev = logits.device
     index = to_device(rows, torch.long, dev)

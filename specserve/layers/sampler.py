@@ -81,14 +81,15 @@ def seeded_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positi
 def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Temperature-scaled logits with tokens outside top-k, then top-p, then min-p set to -inf.
 
-    logits [n, vocab] fp32, one row per params entry (greedy rows, temperature < 1e-5, are left unscaled).
+    logits [n, vocab] (any float dtype; the result is fp32), one row per params entry (greedy rows,
+    temperature < 1e-5, are left unscaled).
     The distribution softmax(filtered_logits) is the one sampling draws from; speculative verification
     uses the same function so that it accepts against exactly this distribution. Each row is filtered
     by its own params only: what other rows of the batch ask for changes nothing in it.
     """
     device = logits.device
     temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-    logits = logits / temps.unsqueeze(1)
+    logits = logits.float() / temps.unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if any(k < vocab for k in top_k):

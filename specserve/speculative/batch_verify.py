@@ -98,7 +98,7 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
     """Verify B draft trees of N nodes at once.
 
     tokens [B, N] long: node tokens, column 0 the root; parents [B, N] long, -1 at the root;
-    logits [B, N, V] fp32: the target's raw logits after each node; greedy [B] bool.
+    logits [B, N, V] (the model's dtype): the target's raw logits after each node; greedy [B] bool.
     Greedy rows accept the child whose token is the argmax of `logits` (as `verify_greedy`).
     Sampling rows need probs [B, N, V] (the target's sampling distribution, see `sampling_probs`),
     uniforms [B, N] and noise [B, V] (see `draw_verify_random`), and verify as `verify_sampling`:
