@@ -307,55 +307,6 @@ def test_gemv_rotates_q_and_k_and_writes_the_cache_as_rope_and_cache_does(m, lau
                          rope=triton_gemv.RopeWrite(rot.cos, rot.sin, pos, cache, slots, heads, kv_heads, dim))
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("q_len,num_splits,norm", [(1, 1, False), (1, 3, True), (4, 1, True), (4, 2, False)])
-def test_attention_that_rotates_is_rope_and_cache_then_attention(dtype, q_len, num_splits, norm):
-    """Metadata whose tiles each hold a sequence's new tokens (decode, verify) `rotates`: the kernel given the
-    unrotated q, k, v and a `Rotation` leaves the cache and returns the output that `rope_and_cache` then the
-    kernel give, bit for bit (q/k norm or not, key splits or not, verify tokens under tree masks); a prefill
-    whose sequence spans several tiles does not rotate and refuses a Rotation."""
-    from specserve.layers import triton_ops
-    from specserve.layers.rotary import RotaryEmbedding
-
-    rng = random.Random(q_len)
-    torch.manual_seed(q_len)
-    dev = torch.device(DEVICE["name"])
-    heads, kv_heads, dim, page = 8, 2, 32, 16
-    q_lens, ctx = [q_len] * 3, [5, 40, 70]
-    seq_lens = [c + q_len for c in ctx]
-    tables, blocks = random_tables(seq_lens, page, rng)
-    rot = RotaryEmbedding(dim, 256, 10000.0, None).to(dev)
-    n = sum(q_lens)
-    qkv = 2 * torch.randn(n, (heads + 2 * kv_heads) * dim, dtype=dtype, device=dev)
-    positions = torch.tensor([c + i for c in ctx for i in range(q_len)], device=dev)
-    weights = (torch.rand(dim, device=dev) + 0.5).to(dtype), (torch.rand(dim, device=dev) + 0.5).to(dtype)
-    qk_norm = (*weights, 1e-6) if norm else None
-    masks = [random_tree(q_len, rng) for _ in q_lens] if q_len > 1 else None
-    meta = triton_attention.build_triton_metadata(q_lens, seq_lens, tables, page, dev, heads // kv_heads, masks,
-                                                  num_splits=num_splits)
-    assert meta.rotates
-    cache = torch.randn(2, blocks * page, kv_heads, dim, dtype=dtype, device=dev)
-
-    def split(x):
-        q, k, v = x.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
-        return q.view(n, heads, dim), k.view(n, kv_heads, dim), v.view(n, kv_heads, dim)
-
-    want_cache, got_cache = cache.clone(), cache.clone()
-    q, k, v = split(qkv.clone())
-    triton_ops.rope_and_cache(q, k, v, positions, rot.cos, rot.sin, want_cache, meta.slot_mapping, qk_norm)
-    want = meta.attend(q, k, v, want_cache, dim ** -0.5, kv_written=True)
-    q, k, v = split(qkv.clone())
-    got = meta.attend(q, k, v, got_cache, dim ** -0.5,
-                      rotate=triton_attention.Rotation(positions, rot.cos, rot.sin, qk_norm))
-    assert torch.equal(got_cache, want_cache)
-    assert torch.equal(got, want)
-    prefill = triton_attention.build_triton_metadata([40], [40], tables[2:], page, dev, heads // kv_heads)
-    assert not prefill.rotates
-    with pytest.raises(ValueError, match="several tiles"):
-        prefill.attend(q, k, v, got_cache, 1.0, rotate=triton_attention.Rotation(positions, rot.cos, rot.sin))
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_and_cache_write(dtype):

@@ -8,8 +8,7 @@ cached context. Two
 backends: "torch" (padded SDPA over gathered KV, this file: any device, differentiable) and "triton" (the
 paged CUDA kernel of triton_attention, whose fixed-shape metadata the CUDA graphs also replay). A
 backend whose metadata `fuses_kv_write` lets the model write rotated keys and the values into the cache in
-one kernel and pass `kv_written=True`; one whose metadata `rotates` takes the unrotated q, k and v with a
-`triton_attention.Rotation` and does that in the attention kernel itself. A step may hold
+one kernel and pass `kv_written=True`. A step may hold
 prefill chunks, single decode tokens and several verify tokens per sequence at once. `tree_masks[i]`
 ([q_len, m] bool) replaces causal order over sequence i's last m keys (its speculative tokens) with
 ancestor-only visibility; the keys before them stay visible to every new token.
@@ -62,7 +61,6 @@ class AttentionMetadata:
     groups: list[PaddedRows]
     kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
     fuses_kv_write: ClassVar[bool] = False
-    rotates: ClassVar[bool] = False
 
     def without_first_key(self) -> "AttentionMetadata":
         """The same step with key 0 of every sequence hidden (the EAGLE-3 draft stores pairs one slot late)."""
@@ -262,9 +260,7 @@ class Attention(nn.Module):
         return meta.kv_cache[self.layer]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                kv_written: bool = False, rotate=None) -> torch.Tensor:
-        if rotate is not None:  # metadata that `rotates`: the kernel rotates q and k and writes the cache
-            return meta.attend(q, k, v, self.cache(meta), self.scale, rotate=rotate)
+                kv_written: bool = False) -> torch.Tensor:
         if kv_written:  # the caller already stored k and v in the cache (metadata that fuses_kv_write)
             return meta.attend(q, k, v, self.cache(meta), self.scale, kv_written=True)
         # q [num_tokens, heads, head_dim]; k, v [num_tokens, kv_heads, head_dim] -> [num_tokens, heads, head_dim]

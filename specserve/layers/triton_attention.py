@@ -26,13 +26,12 @@ verify steps can be captured in CUDA graphs and replayed after refilling the ten
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, NamedTuple, Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from ..device import to_device
 from .triton_launch import let_next_launch, pdl, wait_for_previous
-from .triton_ops import normed_halves
 from .triton_split import combine_splits, sm_count, splits_for
 
 try:
@@ -54,14 +53,11 @@ if triton is not None:
         Q, KC, VC, Out,  # Q, Out [T, H, D]; KC, VC [slots, Hkv, D]
         PartAcc, PartM, PartL,  # NUM_SPLITS > 1: fp32 partials PartAcc [T, H, NUM_SPLITS, D], PartM, PartL [T, H, S]
         block_tables, seq_lens, q_starts, q_lens, tree_bits, tree_lens, tile_seq, tile_q0,
-        K, V, Pos, Slots, Cos, Sin, QW, KW, eps,  # ROPE: the new keys and values [T, Hkv, D], as `Rotation` says
         stride_qt, stride_qh, stride_ct, stride_ch, stride_ot, stride_oh, stride_bt,
-        stride_kt, stride_kh, stride_vt, stride_vh,
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
-        PDL: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_previous(PDL)
         tile = tl.program_id(0)
@@ -81,13 +77,8 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
         tok = (qs + qi).to(tl.int64)
-        if ROPE:  # q rotated here, the tile's new keys and values written here (its sequence's every one)
-            q = _rotate_and_write(Q, K, V, KC, VC, Pos, Slots, Cos, Sin, QW, KW, eps, tok, head, valid, qs, q0, qn,
-                                  kvh, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                  stride_ct, stride_ch, BLOCK_Q, HEAD_DIM, NORM)
-        else:
-            q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                        mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=valid[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
         causal = L - qn + qi  # kv index of each row's query token
         bits = tl.load(tree_bits + tok, mask=valid, other=0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -144,60 +135,6 @@ if triton is not None:
             tl.store(PartAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None] & dmask[None, :])
 
 
-if triton is not None:
-    @triton.jit
-    def _rotate_and_write(Q, K, V, KC, VC, Pos, Slots, Cos, Sin, QW, KW, eps, tok, head, valid, qs, q0, qn, kvh,
-                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_ch,
-                          BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
-        """`_paged_attention`'s ROPE: the tile's queries [BLOCK_M, HEAD_DIM] rotated (and normed), and the keys
-        (rotated, normed) and values of the tile's BLOCK_Q tokens for KV head kvh written to their cache slots,
-        then a barrier, so the program's own loads of those slots see them. Every split of a tile writes the same
-        bytes. What `triton_ops.rope_and_cache` computes, in the attention's program."""
-        HALF: tl.constexpr = HEAD_DIM // 2
-        dtype = Q.dtype.element_ty
-        h = tl.arange(0, HALF)[None, :]
-        pos = tl.load(Pos + tok, mask=valid, other=0).to(tl.int64)[:, None]  # [BLOCK_M, 1]
-        cos = tl.load(Cos + pos * HEAD_DIM + h, mask=valid[:, None], other=0.0).to(dtype).to(tl.float32)
-        sin = tl.load(Sin + pos * HEAD_DIM + h, mask=valid[:, None], other=0.0).to(dtype).to(tl.float32)
-        qp = Q + tok[:, None] * stride_qt + head[:, None] * stride_qh
-        qa = tl.load(qp + h, mask=valid[:, None], other=0.0).to(tl.float32)
-        qb = tl.load(qp + HALF + h, mask=valid[:, None], other=0.0).to(tl.float32)
-        t = q0 + tl.arange(0, BLOCK_Q)  # the tile's tokens within the sequence
-        kvalid = t < qn
-        ktok = (qs + t).to(tl.int64)
-        kpos = tl.load(Pos + ktok, mask=kvalid, other=0).to(tl.int64)[:, None]  # [BLOCK_Q, 1]
-        slot = tl.load(Slots + ktok, mask=kvalid, other=0).to(tl.int64)[:, None]
-        kcos = tl.load(Cos + kpos * HEAD_DIM + h, mask=kvalid[:, None], other=0.0).to(dtype).to(tl.float32)
-        ksin = tl.load(Sin + kpos * HEAD_DIM + h, mask=kvalid[:, None], other=0.0).to(dtype).to(tl.float32)
-        kp = K + ktok[:, None] * stride_kt + kvh * stride_kh
-        ka = tl.load(kp + h, mask=kvalid[:, None], other=0.0).to(tl.float32)
-        kb = tl.load(kp + HALF + h, mask=kvalid[:, None], other=0.0).to(tl.float32)
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        v = tl.load(V + ktok[:, None] * stride_vt + kvh * stride_vh + d, mask=kvalid[:, None], other=0.0)
-        if NORM:
-            qa, qb = normed_halves(qa, qb, QW, eps, HALF, dtype)
-            ka, kb = normed_halves(ka, kb, KW, eps, HALF, dtype)
-        cb = KC + slot * stride_ct + kvh * stride_ch
-        tl.store(cb + h, (ka * kcos - kb * ksin).to(KC.dtype.element_ty), mask=kvalid[:, None])
-        tl.store(cb + HALF + h, (kb * kcos + ka * ksin).to(KC.dtype.element_ty), mask=kvalid[:, None])
-        tl.store(VC + slot * stride_ct + kvh * stride_ch + d, v, mask=kvalid[:, None])
-        ra = (qa * cos - qb * sin).to(dtype)
-        rb = (qb * cos + qa * sin).to(dtype)
-        tl.debug_barrier()
-        return tl.reshape(tl.permute(tl.join(ra, rb), (0, 2, 1)), (ra.shape[0], HEAD_DIM))  # [BLOCK_M, HEAD_DIM]
-
-
-class Rotation(NamedTuple):
-    """What `TritonMetadata.attend` does before attending when its metadata `rotates`: rotate q and the new k
-    (rotate-half; cos and sin [max_positions, head_dim] fp32 at positions [T]) after their RMSNorms (qk_norm: q's
-    and k's weights [head_dim] and eps; None: none), and write k and v to the cache slots (slot_mapping): the work
-    of `triton_ops.rope_and_cache`, one launch fewer."""
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -237,7 +174,6 @@ class TritonMetadata:
     skip_first_key: bool = False  # key 0 of every sequence hidden
     num_splits: int = 1  # key splits per tile (triton_split.splits_for): 1 = one program walks the whole context
     kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
-    rotates: bool = False  # one tile holds each sequence's new tokens: `attend` can take a `Rotation`
     fuses_kv_write: ClassVar[bool] = True  # the model may write rotated keys and values itself (rope_and_cache)
 
     def without_first_key(self) -> "TritonMetadata":
@@ -245,12 +181,9 @@ class TritonMetadata:
         return replace(self, skip_first_key=True)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-               scale: float, kv_written: bool = False, rotate: Optional[Rotation] = None) -> torch.Tensor:
-        # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]. rotate (where `rotates`): q and k
-        # as they come out of the q/k/v product, rotated (and normed) and k and v written by the kernel
-        if rotate is not None and not self.rotates:
-            raise ValueError("this step's metadata does not rotate in attention: a sequence spans several tiles")
-        if not kv_written and rotate is None:
+               scale: float, kv_written: bool = False) -> torch.Tensor:
+        # q [T, H, D]; k, v [T, Hkv, D]; cache [2, slots, Hkv, D] -> [T, H, D]
+        if not kv_written:
             cache[0, self.slot_mapping] = k
             cache[1, self.slot_mapping] = v
         if q.stride(-1) != 1:  # the kernel reads a head's values side by side (a CPU linear's output is not)
@@ -264,18 +197,14 @@ class TritonMetadata:
             row_max, row_sum = torch.empty(2, tokens, heads, splits, dtype=torch.float32, device=q.device)
         group = heads // kv_heads
         kc, vc = cache[0], cache[1]
-        pos, cos, sin, norm = rotate if rotate is not None else (q, q, q, None)
-        qw, kw, eps = norm if norm is not None else (q, q, 0.0)
         _paged_attention[(self.tile_seq.shape[0], kv_heads, splits)](
             q, kc, vc, out, acc, row_max, row_sum, self.block_tables, self.seq_lens, self.q_starts, self.q_lens,
             self.tree_bits, self.tree_lens, self.tile_seq, self.tile_q0,
-            k, v, pos, self.slot_mapping, cos, sin, qw, kw, eps,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
-            self.block_tables.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale,
+            self.block_tables.stride(0), scale,
             GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim,
             BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page, IEEE=q.dtype == torch.float32,
-            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, ROPE=rotate is not None, NORM=norm is not None,
-            **launch_options(head_dim), **pdl(q))
+            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim), **pdl(q))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 
@@ -375,7 +304,7 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
                           tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache,
-                          num_splits=num_splits, rotates=len(tile_seq) == batch)
+                          num_splits=num_splits)
 
 
 def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -401,4 +330,4 @@ def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
                           q_lens=q_lens, tree_bits=tree_bits, tree_lens=tree_lens, tile_seq=tile_seq, tile_q0=tile_q0,
                           block_q=block_q, page=page, skip_first_key=skip_first_key, kv_cache=kv_cache,
-                          num_splits=num_splits, rotates=tiles is None)
+                          num_splits=num_splits)

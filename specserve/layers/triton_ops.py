@@ -17,7 +17,6 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
-    normed_halves = None
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -75,7 +74,7 @@ if triton is not None:
 
 if triton is not None:
     @triton.jit
-    def normed_halves(a, b, W, eps, HALF: tl.constexpr, dtype: tl.constexpr):
+    def _normed(a, b, W, eps, HALF: tl.constexpr, dtype: tl.constexpr):
         """RMSNorm of each row of heads split in halves a, b [heads, HALF] (fp32), as RMSNorm rounds it:
         the normalised value to the model dtype, times the weight, rounded again; back in fp32."""
         d = tl.arange(0, HALF)[None, :]
@@ -113,8 +112,8 @@ if triton is not None:
         cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
         sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
         if NORM:
-            qa, qb = normed_halves(qa, qb, QW, eps, HALF, Q.dtype.element_ty)
-            ka, kb = normed_halves(ka, kb, KW, eps, HALF, K.dtype.element_ty)
+            qa, qb = _normed(qa, qb, QW, eps, HALF, Q.dtype.element_ty)
+            ka, kb = _normed(ka, kb, KW, eps, HALF, K.dtype.element_ty)
         tl.store(qp + d, (qa * cos - qb * sin).to(Q.dtype.element_ty), mask=qmask)
         tl.store(qp + HALF + d, (qb * cos + qa * sin).to(Q.dtype.element_ty), mask=qmask)
         cb = KC + slot * stride_ct + kh * stride_ch

@@ -15,7 +15,6 @@ from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowPa
 from ..layers.norm import RMSNorm
 from ..layers.parallel import current
 from ..layers.rotary import RotaryEmbedding
-from ..layers.triton_attention import Rotation
 from .config import ArchConfig, DecoderShape
 
 FUSED_ROWS = triton_gemv.MAX_DOT_ROWS  # steps of up to this many tokens run `LlamaModel.fused_rows`'s path
@@ -59,9 +58,6 @@ class DecoderAttention(nn.Module):
         if meta.fuses_kv_write and triton_ops.rotary_fits(qkv, self.head_dim):
             q, k, v = self._split(qkv, norm=False)
             qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            if meta.rotates:  # one launch: the attention kernel rotates and writes the cache itself
-                rotate = Rotation(positions, self.rotary.cos, self.rotary.sin, qk_norm)
-                return self.attn(q, k, v, meta, rotate=rotate).reshape(n, -1)
             triton_ops.rope_and_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, self.attn.cache(meta),
                                       meta.slot_mapping, qk_norm)
             out = self.attn(q, k, v, meta, kv_written=True)
