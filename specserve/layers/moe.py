@@ -120,7 +120,7 @@ class SparseMoeBlock(nn.Module):
         """The feed-forward block of `DecoderLayer.forward_fused` (its contract: `llama.MLP.forward_fused`):
         the router's product with the norm fused (`triton_gemv.gemv`), `triton_moe.route`, then the experts
         with the norm, the sum, the residual add and the next norm's inputs fused (`triton_moe.direct_fused`):
-        four launches where the layered path takes six."""
+        five launches where the layered path, with the norms before and after, takes seven."""
         logits = triton_gemv.gemv(scaled, self.gate.weight, launch=launch["o"], rms=rms)  # [n, experts]
         weights, experts = triton_moe.route(logits, self.top_k, self.norm_topk_prob, scaled.dtype)
         return triton_moe.direct_fused(scaled, rms, self.experts.w13, self.experts.w2, weights, experts, stream,
