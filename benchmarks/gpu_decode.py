@@ -198,8 +198,10 @@ def set_context(graphs, runner, batch: int, q: int, context: int) -> None:
     graphs.slots[:batch * q].fill_(runner.scratch_slot)
 
 
-def profile(runner, batch: int, context: int) -> list[dict]:
-    """CUDA time per kernel name of the engine's (batch, 1) decode graph at `context` keys a row, largest first."""
+def profile(runner, batch: int, context: int) -> dict:
+    """The engine's (batch, 1) decode graph at `context` keys a row: its replay time, the sum of its kernels' times
+    (the difference: time between kernels) and the CUDA time per kernel name, largest first. With programmatic
+    dependent launch a kernel's time includes its wait for the one ahead, so the sum can exceed the replay."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -215,10 +217,12 @@ def profile(runner, batch: int, context: int) -> list[dict]:
     table = [{"kernel": e.key[:90], "calls_per_step": e.count / 3, "us_per_step": e.device_time_total / 3}
              for e in rows]
     total = sum(e.device_time_total for e in prof.key_averages()) / 3
-    print(f"profile batch {batch}, context {context}: {total / 1e3:.2f} ms of kernels per step; top: " +
+    replay_ms = time_events(graph.replay, 20) * 1e3
+    print(f"profile batch {batch}, context {context}: {total / 1e3:.2f} ms of kernels per step, a {replay_ms:.2f} ms "
+          "replay; top: " +
           "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
           flush=True)
-    return table
+    return {"replay_ms": replay_ms, "kernels_ms": total / 1e3, "kernels": table}
 
 
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
