@@ -139,7 +139,8 @@ def test_store_kv_writes_the_full_projections_keys_and_values(qk_norm):
 @pytest.mark.parametrize("qkv_bias,qk_norm,rows,moe", [(False, False, 1, False), (True, False, 1, False),
                                                        (False, True, 1, False), (False, False, 4, False),
                                                        (True, False, 11, False), (False, True, 4, False),
-                                                       (False, True, 1, True), (False, True, 2, True)])
+                                                       (False, True, 1, True), (False, True, 2, True),
+                                                       (False, False, 1, True)])
 def test_fused_decoder_path_is_the_layered_path(qkv_bias, qk_norm, rows, moe):
     """A step of 1-16 tokens on CUDA in bf16 runs every layer as four fused products (`LlamaModel.fused_rows`;
     one row on the FMA units, more on the tensor cores; rotary and the cache write in the q/k/v product's
@@ -147,7 +148,7 @@ def test_fused_decoder_path_is_the_layered_path(qkv_bias, qk_norm, rows, moe):
     layer-by-layer path over the same cache (bf16 roundings apart), for Llama, Qwen2 (q/k/v bias) and Qwen3
     (q/k norm); tokens of two sequences, one of them a verify's several. Qwen3-MoE (routed experts, a dense
     layer between) takes the path at one and two tokens, its experts' norms and sums fused
-    (`triton_moe.direct_fused`)."""
+    (`triton_moe.direct_fused`); without q/k norm (as Mixtral) its rotary in the q/k/v product's epilogue."""
     from specserve.layers.attention import attention_backend
     from specserve.models.config import ArchConfig
     from specserve.models.registry import model_class
