@@ -148,7 +148,7 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, stream: torch.Tensor, parts: torch.Tensor, scaled: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata, next_norm: torch.Tensor | None) -> tuple:
-        """`forward` for a step of a few tokens in four weight launches and attention (`fused_rows`): the stream
+        """`forward` for a step of a few tokens in its products and attention (`fused_rows`): the stream
         [n, hidden] entering the layer, parts (its sums of squares in pieces) and scaled (it times the input
         norm's weight) -> the same leaving it, scaled by next_norm (the next layer's input norm weight; None:
         not scaled)."""
@@ -162,14 +162,14 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, c: ArchConfig, make_mlp: Callable[[ArchConfig, int], nn.Module]):
-        """make_mlp(config, layer index) builds each layer's feed-forward block."""
+        """make_mlp(config, layer index) builds each layer's feed-forward block: forward, and `fuses` and
+        `forward_fused` for the few-row path (as `MLP`)."""
         super().__init__()
         rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c, rotary, make_mlp(c, i), i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.tp = current()
-        self._fuses: dict[int, bool] = {}  # rows -> whether every layer's feed-forward block `fuses` them
 
     def fused_rows(self, h: torch.Tensor) -> bool:
         """Whether a step of h [num_tokens, hidden] runs `forward_fused`: 1 to FUSED_ROWS tokens on CUDA in
@@ -179,13 +179,9 @@ class LlamaModel(nn.Module):
         into the products (`triton_gemv`): five launches a dense layer where there were nine to eleven, nine a
         layer of experts where there were eleven."""
         n = h.shape[0]
-        if not (0 < n <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
+        return (0 < n <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
                 and h.dtype in (torch.bfloat16, torch.float16) and self.norm.weight.dtype == h.dtype
-                and self.tp.size == 1):
-            return False
-        if n not in self._fuses:
-            self._fuses[n] = all(hasattr(layer.mlp, "fuses") and layer.mlp.fuses(n) for layer in self.layers)
-        return self._fuses[n]
+                and self.tp.size == 1 and all(layer.mlp.fuses(n) for layer in self.layers))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
