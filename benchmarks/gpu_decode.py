@@ -305,8 +305,9 @@ def main() -> None:
     ap.add_argument("--fused-rows", type=int, default=None,
                     help="steps of up to this many tokens run the fused decoder path (default: llama.FUSED_ROWS; "
                     "0: every step layer by layer), to compare the two")
-    ap.add_argument("--pdl", type=int, choices=(0, 1, 2, 3), default=None,
-                    help="0: Triton kernels launch without programmatic dependent launch (triton_launch), to compare")
+    ap.add_argument("--pdl", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                    help="triton_launch.MODE (0: Triton kernels launch without programmatic dependent launch; 4: "
+                    "resident grids let the next kernel launch early), to compare")
     ap.add_argument("--out", default="gpu_decode.json")
     args = ap.parse_args()
     from specserve.layers import triton_launch

@@ -152,8 +152,11 @@ def test_splits_for():
     assert splits_for(16, 8, 16384, 64) == 4  # 128 -> 512
     assert splits_for(2, 8, 16384, 64, sms=78) == 16  # 16 programs -> 256 of at most 312
     assert splits_for(64, 8, 16384, 64) == 1  # 512 programs fill the GPU already
-    assert splits_for(1, 8, 400, 64) == 1  # short context
-    assert splits_for(1, 8, 6 * 4 * 64, 64) == 4  # at least 4 blocks per split: 6, then a power of two
+    assert splits_for(1, 8, 400, 64) == 8  # short context: a block a split (7, rounded up), 64 programs
+    assert splits_for(1, 8, 6 * 4 * 64, 64) == 32  # 24 blocks -> 32 splits: 256 programs, one wave of 2 x 132
+    assert splits_for(16, 8, 320, 64) == 1  # 128 programs: 2 splits would fill the wave, too few to pay
+    assert splits_for(8, 8, 320, 64) == 4  # 64 programs: 4 splits of 2 blocks (5 blocks)
+    assert splits_for(1, 8, 6 * 4 * 64, 64, resident=1) == 16  # one wave of 132: 16, more than 4 blocks allow (6)
     assert splits_for(1, 8, 100_000, 32) == 64
     assert splits_for(3, 8, 100_000, 64) == 16  # 24 programs: 22 splits would reach 528; a power of two below
     assert splits_for(1, 1, 10 ** 6, 64) == 64  # at most 64
@@ -166,7 +169,7 @@ def test_metadata_chooses_splits():
     build = triton_attention.build_triton_metadata
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 64
     assert build([1] * 64, [16384] * 64, [list(range(1024))] * 64, 16, cpu, 4, kv_cache=cache).num_splits == 1
-    assert build([1], [300], [list(range(19))], 16, cpu, 4, kv_cache=cache).num_splits == 1
+    assert build([1], [300], [list(range(19))], 16, cpu, 4, kv_cache=cache).num_splits == 8
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4).num_splits == 1  # no cache: no shapes
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache, num_splits=3).num_splits == 3
 
@@ -198,7 +201,7 @@ def test_split_cuda_graph_replays_new_lengths(q, num_splits, dtype):
     xk, xv = (torch.zeros(bs * q, kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
     meta = triton_attention.static_triton_metadata(slots, tables, seq_lens, torch.full((bs,), q, **i32), bits,
                                                    tree_lens, q, group, page, cache[None], False, {}, num_splits)
-    assert meta.num_splits == (num_splits or 4)  # auto: 6 programs; 1024 keys at most, 4 blocks of 64 per split
+    assert meta.num_splits == (num_splits or 16)  # auto: 6 programs; 1024 keys at most: 16 blocks, one a split
 
     def fill(ctx_lens):  # a step of len(ctx_lens) <= bs sequences, the rest padding rows
         from specserve.layers.attention import new_token_slots, padded_tables

@@ -7,7 +7,8 @@ attention), so a tile's rows are (query token, head) pairs. Each tile walks the 
 BLOCK_N chunks with an online softmax (flash attention).
 
 Split-K ("flash-decoding", triton_split): at batch 1 a decode step has only one tile per KV head, too few
-programs to keep a GPU's multiprocessors busy while they stream a long context. The grid then gets a third
+programs to keep a GPU's multiprocessors busy while they stream a long context, and a short context's walk is a
+chain of dependent loads that one program takes in turn. The grid then gets a third
 dimension of `num_splits` (TritonMetadata, chosen by triton_split.splits_for from the step's shape): program
 `split` walks only keys [split * chunk, (split + 1) * chunk) of its tile's kv_end keys, with
 chunk = ceil(ceil(kv_end / num_splits) / BLOCK_N) * BLOCK_N computed in the kernel from the tile's own kv_end.
@@ -31,8 +32,8 @@ from typing import ClassVar, Optional
 import torch
 
 from ..device import to_device
-from .triton_launch import let_next_launch, pdl, wait_for_previous
-from .triton_split import combine_splits, sm_count, splits_for
+from .triton_launch import launch_kernel, let_next_launch, sm_count, wait_for_previous
+from .triton_split import combine_splits, splits_for
 
 try:
     import triton
@@ -197,14 +198,13 @@ class TritonMetadata:
             row_max, row_sum = torch.empty(2, tokens, heads, splits, dtype=torch.float32, device=q.device)
         group = heads // kv_heads
         kc, vc = cache[0], cache[1]
-        _paged_attention[(self.tile_seq.shape[0], kv_heads, splits)](
-            q, kc, vc, out, acc, row_max, row_sum, self.block_tables, self.seq_lens, self.q_starts, self.q_lens,
-            self.tree_bits, self.tree_lens, self.tile_seq, self.tile_q0,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), out.stride(0), out.stride(1),
-            self.block_tables.stride(0), scale,
-            GROUP=group, GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim,
-            BLOCK_D=max(16, _pow2(head_dim)), PAGE=self.page, IEEE=q.dtype == torch.float32,
-            SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits, **launch_options(head_dim), **pdl(q))
+        launch_kernel(_paged_attention, (self.tile_seq.shape[0], kv_heads, splits), q, kc, vc, out, acc, row_max,
+                      row_sum, self.block_tables, self.seq_lens, self.q_starts, self.q_lens, self.tree_bits,
+                      self.tree_lens, self.tile_seq, self.tile_q0, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+                      out.stride(0), out.stride(1), self.block_tables.stride(0), scale, GROUP=group,
+                      GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
+                      PAGE=self.page, IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits,
+                      **launch_options(head_dim))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 

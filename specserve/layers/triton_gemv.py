@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_launch import let_next_launch, pdl, wait_for_previous
+from .triton_launch import launch_kernel, let_next_launch, wait_for_previous
 
 try:
     import triton
@@ -204,16 +204,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     kc, vc, cache_strides = (cache[0], cache[1], cache.stride()[1:3]) if rope is not None else (y, y, (0, 0))
     block_m = max(16, triton.next_power_of_2(m)) if launch.dot else triton.next_power_of_2(max(m, 1))
     if m:
-        _gemv[(programs,)](rows, weight, y, y if bias is None else bias, y if parts is None else parts, r,
-                           y if parts_out is None else parts_out, y if scale is None else scale,
-                           y if scaled is None else scaled, cos, sin, positions, slots, kc, vc, m, n, k,
-                           rows.stride(0), weight.stride(0), y.stride(0), r.stride(0), num_parts, eps,
-                           2 * half * heads, 2 * half * (heads + kv_heads), *cache_strides,
-                           RMS=rms is not None, RESIDUAL=residual is not None, SCALE=scale is not None,
-                           HAS_BIAS=bias is not None, PAIRED=ROPE if rope is not None else GATE if gate else NONE,
-                           DOT=launch.dot, HALF=half, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-                           BLOCK_K=launch.block_k, NUM_STAGES=launch.stages,
-                           PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps, **pdl(rows))
+        launch_kernel(_gemv, (programs,), rows, weight, y, y if bias is None else bias, y if parts is None else parts,
+                      r, y if parts_out is None else parts_out, y if scale is None else scale,
+                      y if scaled is None else scaled, cos, sin, positions, slots, kc, vc, m, n, k, rows.stride(0),
+                      weight.stride(0), y.stride(0), r.stride(0), num_parts, eps, 2 * half * heads,
+                      2 * half * (heads + kv_heads), *cache_strides, RMS=rms is not None, RESIDUAL=residual is not None,
+                      SCALE=scale is not None, HAS_BIAS=bias is not None,
+                      PAIRED=ROPE if rope is not None else GATE if gate else NONE, DOT=launch.dot, HALF=half,
+                      BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.stages,
+                      PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps)
     y = y.reshape(*x.shape[:-1], y.shape[1])
     if residual is None:
         return y

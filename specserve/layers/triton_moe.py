@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_launch import let_next_launch, pdl, wait_for_previous
-from .triton_split import sm_count
+from .triton_launch import launch_kernel, let_next_launch, sm_count, wait_for_previous
 
 try:
     import triton
@@ -249,10 +248,10 @@ def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype, residual: to
     scaled = torch.empty_like(out) if scale is not None else None
     if rows:
         r = residual if residual is not None else out
-        _sum_experts[(n, programs)](part, out, r, out if parts is None else parts, out if scale is None else scale,
-                                    out if scaled is None else scaled, hidden, part.stride(0), out.stride(0),
-                                    r.stride(0), TOP_K=top_k, BLOCK=block, RESIDUAL=residual is not None,
-                                    SCALE=scale is not None, num_warps=4, **pdl(part))
+        launch_kernel(_sum_experts, (n, programs), part, out, r, out if parts is None else parts,
+                      out if scale is None else scale, out if scaled is None else scaled, hidden, part.stride(0),
+                      out.stride(0), r.stride(0), TOP_K=top_k, BLOCK=block, RESIDUAL=residual is not None,
+                      SCALE=scale is not None, num_warps=4)
     if residual is None:
         return out
     return out, parts, scaled
@@ -288,15 +287,15 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     size = up[0] or block_n(n * top_k * inter, count)
     parts, eps = rms if rms is not None else (act, 0.0)
     num_parts = parts.shape[1] if rms is not None else 1
-    _direct_up[(n * top_k, triton.cdiv(inter, size))](
-        x, w13, flat_experts, act, parts, inter, hidden, x.stride(0), x.stride(1), w13.stride(0), w13.stride(1),
-        w13.stride(2), act.stride(0), num_parts, eps, TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1],
-        RMS=rms is not None, PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=up[2], **pdl(x))
+    launch_kernel(_direct_up, (n * top_k, triton.cdiv(inter, size)), x, w13, flat_experts, act, parts, inter, hidden,
+                  x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), num_parts, eps,
+                  TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], RMS=rms is not None,
+                  PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=up[2])
     part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
     size = down[0] or block_n(n * top_k * hidden, count)
-    _direct_down[(n * top_k, triton.cdiv(hidden, size))](
-        act, w2, flat_experts, routing, part, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
-        part.stride(0), BLOCK_N=size, BLOCK_K=down[1], num_warps=down[2], **pdl(act))
+    launch_kernel(_direct_down, (n * top_k, triton.cdiv(hidden, size)), act, w2, flat_experts, routing, part, hidden,
+                  inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), part.stride(0), BLOCK_N=size,
+                  BLOCK_K=down[1], num_warps=down[2])
     return sum_experts(part, top_k, x.dtype, residual, scale)  # [n, hidden] (with residual: and the next norm's)
 
 
@@ -335,12 +334,10 @@ def align_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
     block_expert = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
     chunk = 256
-    _align_count[(triton.cdiv(max_padded, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
-                                                    num_experts, max_padded, max_padded // block_m, CHUNK=chunk,
-                                                    **pdl(flat))
-    _align_place[(triton.cdiv(n_assign, chunk),)](flat, counts, ranks, sorted_ids, block_expert, n_assign,
-                                                  num_experts, BLOCK_M=block_m,
-                                                  E_PAD=triton.next_power_of_2(num_experts), CHUNK=chunk, **pdl(flat))
+    launch_kernel(_align_count, (triton.cdiv(max_padded, chunk),), flat, counts, ranks, sorted_ids, block_expert,
+                  n_assign, num_experts, max_padded, max_padded // block_m, CHUNK=chunk)
+    launch_kernel(_align_place, (triton.cdiv(n_assign, chunk),), flat, counts, ranks, sorted_ids, block_expert,
+                  n_assign, num_experts, BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts), CHUNK=chunk)
     return sorted_ids, block_expert
 
 
@@ -362,17 +359,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     scale = weights.contiguous().view(-1)  # [n * top_k]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty(n_assign, inter, dtype=x.dtype, device=x.device)  # [n * top_k, I]
-    _expert_gemm[(block_expert.shape[0], triton.cdiv(inter, block_n))](
-        x, w13, act, scale, sorted_ids, block_expert, n_assign, num_experts, inter, hidden,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-        ROWS_PER_A=top_k, GATED=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4, **pdl(x))
+    launch_kernel(_expert_gemm, (block_expert.shape[0], triton.cdiv(inter, block_n)), x, w13, act, scale, sorted_ids,
+                  block_expert, n_assign, num_experts, inter, hidden, x.stride(0), x.stride(1), w13.stride(0),
+                  w13.stride(1), w13.stride(2), act.stride(0), ROWS_PER_A=top_k, GATED=True, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
     y = torch.empty(n_assign, hidden, dtype=x.dtype, device=x.device)  # [n * top_k, hidden]
-    _expert_gemm[(block_expert.shape[0], triton.cdiv(hidden, block_n))](
-        act, w2, y, scale, sorted_ids, block_expert, n_assign, num_experts, hidden, inter,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0),
-        ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-        num_warps=4, **pdl(act))
+    launch_kernel(_expert_gemm, (block_expert.shape[0], triton.cdiv(hidden, block_n)), act, w2, y, scale, sorted_ids,
+                  block_expert, n_assign, num_experts, hidden, inter, act.stride(0), act.stride(1), w2.stride(0),
+                  w2.stride(1), w2.stride(2), y.stride(0), ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                  BLOCK_K=block_k, PRECISION=precision, num_warps=4)
     return sum_experts(y, top_k, x.dtype)
 
 
@@ -389,7 +384,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool,
     experts = torch.empty(n, top_k, dtype=torch.int32, device=logits.device)  # [n, top_k]
     if n:
         block = triton.next_power_of_2(num_experts)
-        _route[(n,)](logits, weights, experts, logits.stride(0), logits.stride(1), num_experts, TOP_K=top_k,
-                     K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK=block,
-                     num_warps=1 if block <= 128 else 4, **pdl(logits))
+        launch_kernel(_route, (n,), logits, weights, experts, logits.stride(0), logits.stride(1), num_experts,
+                      TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK=block,
+                      num_warps=1 if block <= 128 else 4)
     return weights, experts

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .triton_launch import pdl, wait_for_previous
+from .triton_launch import launch_kernel, wait_for_previous
 
 try:
     import triton
@@ -206,9 +206,9 @@ def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.
     vals = torch.empty(n, chunks, dtype=torch.float64, device=filtered.device)  # [n, chunks]
     idx = torch.empty(n, chunks, dtype=torch.long, device=filtered.device)  # [n, chunks]
     if n:  # fp fusion on, as nvcc's default --fmad=true compiles torch's log
-        _gumbel_argmax[(n, chunks)](filtered, seeds.long().contiguous(), positions.long().contiguous(), vals, idx,
-                                    filtered.stride(0), vals.stride(0), vocab, BLOCK=block, num_warps=8,
-                                    enable_fp_fusion=True, **pdl(filtered))
+        launch_kernel(_gumbel_argmax, (n, chunks), filtered, seeds.long().contiguous(), positions.long().contiguous(),
+                      vals, idx, filtered.stride(0), vals.stride(0), vocab, BLOCK=block, num_warps=8,
+                      enable_fp_fusion=True)
     return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 
@@ -220,8 +220,8 @@ def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
     n, width = hidden.shape
     out = torch.empty(n, 2 * width, dtype=hidden.dtype, device=hidden.device)
     if n:
-        _embed_norm_pair[(n,)](ids, table, hidden, w_embed, w_hidden, out, table.stride(0), hidden.stride(0),
-                               out.stride(0), width, eps, BLOCK=_pow2(width), num_warps=8, **pdl(ids))
+        launch_kernel(_embed_norm_pair, (n,), ids, table, hidden, w_embed, w_hidden, out, table.stride(0),
+                      hidden.stride(0), out.stride(0), width, eps, BLOCK=_pow2(width), num_warps=8)
     return out
 
 
@@ -234,10 +234,9 @@ def keep_features(aux: torch.Tensor, features: torch.Tensor, block_features: tor
     [blocks + 1, dim]; rows, positions [bs]; tables [bs, max_blocks]."""
     bs, dim = aux.shape
     block = 1024
-    _keep_features[(bs, triton.cdiv(dim, block))](
-        aux, features, block_features, rows, positions, tables, aux.stride(0), features.stride(0),
-        block_features.stride(0), tables.stride(0), features.shape[0] - 1, block_features.shape[0] - 1, page,
-        tables.shape[1] - 1, dim, BLOCK=block, num_warps=4, **pdl(aux))
+    launch_kernel(_keep_features, (bs, triton.cdiv(dim, block)), aux, features, block_features, rows, positions, tables,
+                  aux.stride(0), features.stride(0), block_features.stride(0), tables.stride(0), features.shape[0] - 1,
+                  block_features.shape[0] - 1, page, tables.shape[1] - 1, dim, BLOCK=block, num_warps=4)
 
 
 def rotary_fits(x: torch.Tensor, head_dim: int) -> bool:
@@ -257,10 +256,10 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         return
     kc, vc = cache[0], cache[1]
     qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without NORM
-    _rope_and_cache[(tokens,)](q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps, q.stride(0), q.stride(1),
-                               k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads,
-                               k.shape[1], HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]),
-                               NORM=qk_norm is not None, num_warps=4, **pdl(q))
+    launch_kernel(_rope_and_cache, (tokens,), q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps, q.stride(0),
+                  q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads,
+                  k.shape[1], HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]),
+                  NORM=qk_norm is not None, num_warps=4)
 
 
 def _pow2(n: int) -> int:
@@ -273,8 +272,8 @@ def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torc
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     r = residual if residual is not None else x
-    _add_rms_norm[(n,)](x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0), res_out.stride(0),
-                        hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden), num_warps=8, **pdl(x))
+    launch_kernel(_add_rms_norm, (n,), x, r, weight, out, res_out, x.stride(0), r.stride(0), out.stride(0),
+                  res_out.stride(0), hidden, eps, HAS_RES=residual is not None, BLOCK=_pow2(hidden), num_warps=8)
     return out, res_out
 
 
@@ -284,8 +283,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = two_n // 2
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul[(tokens, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
-                                                   **pdl(x))
+    launch_kernel(_silu_and_mul, (tokens, triton.cdiv(n, block)), x, out, x.stride(0), out.stride(0), n, BLOCK=block,
+                  num_warps=4)
     return out
 
 
@@ -293,6 +292,6 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     """Rotate x [tokens, heads, head_dim] in place (rotate-half layout); cos, sin [max_pos, head_dim] fp32."""
     tokens, heads, head_dim = x.shape
     if tokens:
-        _rotary[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), heads, HALF=head_dim // 2,
-                           BLOCK_H=_pow2(heads), num_warps=4, **pdl(x))
+        launch_kernel(_rotary, (tokens,), x, cos, sin, positions, x.stride(0), x.stride(1), heads, HALF=head_dim // 2,
+                      BLOCK_H=_pow2(heads), num_warps=4)
     return x

@@ -8,11 +8,9 @@ merges the splits of each row: m = max_s m_s, w_s = exp(m_s - m), out = sum_s w_
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .triton_launch import pdl, wait_for_previous
+from .triton_launch import launch_kernel, wait_for_previous
 
 try:
     import triton
@@ -23,6 +21,8 @@ except ImportError:  # CPU-only installs: the torch backend is used instead
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # each split walks at least this many BLOCK_N key blocks
 WAVES = 4  # programs per multiprocessor that keep enough loads in flight to stream the KV at full bandwidth
+MIN_LATENCY_SPLITS = 4  # fewer do not pay for the merge's launch (about two or three blocks' walk)
+RESIDENT = 2  # `_paged_attention` programs a multiprocessor holds at once (96 KB of staged keys and values each)
 
 
 if triton is not None:
@@ -56,30 +56,27 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
     tokens, heads, splits, head_dim = acc.shape
     if tokens == 0:
         return out
-    _combine_splits[(tokens, heads)](
-        acc, row_max, row_sum, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4, **pdl(acc))
+    launch_kernel(_combine_splits, (tokens, heads), acc, row_max, row_sum, out, out.stride(0), out.stride(1),
+                  NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4)
     return out
 
 
-def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: int = 132) -> int:
-    """Key splits per tile: the largest power of two that keeps the (tile, KV head, split) programs within WAVES
-    per multiprocessor of the GPU's `sms` (1 when the tiles alone reach that), at most MAX_SPLITS and at most
-    the largest power of two that still gives each split MIN_BLOCKS_PER_SPLIT blocks of block_n keys of
-    max_kv. Powers of two only: each value is a kernel specialisation (compiled once), so few values
-    may occur. (H200, 8B shape: batch 16 at 16k keys takes 302 us a layer with 2 splits, 1 wave, and 252 with
-    4; batch 1 at 32k 50 us with 32 splits and 43 with 64: benchmarks/attention_kernel.py.)"""
-    fits = min(MAX_SPLITS, max_kv // (MIN_BLOCKS_PER_SPLIT * block_n), WAVES * sms // (num_tiles * kv_heads))
+def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: int = 132,
+               resident: int = RESIDENT) -> int:
+    """Key splits per tile for a step of num_tiles tiles over contexts of up to max_kv keys: the larger of
+    - latency: one block of block_n keys a split (the blocks of max_kv, rounded up to a power of two) while the
+      (tile, KV head, split) programs stay one wave, `resident` a multiprocessor of the GPU's `sms`: a short
+      context's walk is a chain of dependent loads, which splits cut short; none below MIN_LATENCY_SPLITS;
+    - bandwidth: programs up to WAVES a multiprocessor, each split MIN_BLOCKS_PER_SPLIT blocks or more;
+    at most MAX_SPLITS, rounded down to a power of two (each value is a kernel specialisation, compiled once).
+    (H200, 8B shape: batch 16 at 16k keys takes 302 us a layer with 2 splits, 1 wave, and 252 with 4; batch 1
+    at 32k 50 us with 32 splits and 43 with 64: benchmarks/attention_kernel.py. Qwen3-30B-A3B at batch 1, 288
+    keys: 8 splits of one block, 2.69 ms a step against 3.08 unsplit: docs/performance.md session 35.)"""
+    programs = num_tiles * kv_heads
+    blocks = -(-max_kv // block_n)
+    latency = min(1 << max(0, blocks - 1).bit_length(), resident * sms // programs)
+    latency = latency if latency >= MIN_LATENCY_SPLITS else 1
+    bandwidth = min(blocks // MIN_BLOCKS_PER_SPLIT, WAVES * sms // programs)
+    fits = min(MAX_SPLITS, max(latency, bandwidth))
     return 1 << (fits.bit_length() - 1) if fits >= 2 else 1
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def sm_count(device) -> int:
-    """Multiprocessors of a CUDA device; 132 (an H100 / H200) elsewhere."""
-    device = torch.device(device)
-    return _sm_count(device) if device.type == "cuda" else 132
