@@ -74,11 +74,13 @@ def launch_kernel(kernel, grid: tuple[int, ...], *args, **options):
     device = next(a for a in args if isinstance(a, torch.Tensor)).device
     if not (MODE and triton is not None and device.type == "cuda" and _supported(device)):
         return kernel[grid](*args, **options, PDL=0)
+    if MODE != 4:
+        return kernel[grid](*args, **options, PDL=MODE, launch_pdl=True)
     key = (kernel, tuple(options.items()))
     resident = _RESIDENT.get(key)
-    early = MODE == 4 and resident is not None and math.prod(grid) <= resident * sm_count(device)
-    compiled = kernel[grid](*args, **options, PDL=1 if early else min(MODE, 3), launch_pdl=True)
-    if MODE == 4 and resident is None:
+    early = resident is not None and math.prod(grid) <= resident * sm_count(device)
+    compiled = kernel[grid](*args, **options, PDL=1 if early else 3, launch_pdl=True)
+    if resident is None:
         _RESIDENT[key] = resident_programs(compiled.metadata.num_warps * 32, compiled.n_regs,
                                            compiled.metadata.shared, _properties(device))
     return compiled

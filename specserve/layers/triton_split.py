@@ -72,7 +72,7 @@ def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: in
     at most MAX_SPLITS, rounded down to a power of two (each value is a kernel specialisation, compiled once).
     (H200, 8B shape: batch 16 at 16k keys takes 302 us a layer with 2 splits, 1 wave, and 252 with 4; batch 1
     at 32k 50 us with 32 splits and 43 with 64: benchmarks/attention_kernel.py. Qwen3-30B-A3B at batch 1, 288
-    keys: 8 splits of one block, 2.69 ms a step against 3.08 unsplit: docs/performance.md session 35.)"""
+    keys: 8 splits of one block, 2.92 ms a step against 3.17 unsplit: docs/performance.md session 35.)"""
     programs = num_tiles * kv_heads
     blocks = -(-max_kv // block_n)
     latency = min(1 << max(0, blocks - 1).bit_length(), resident * sms // programs)
