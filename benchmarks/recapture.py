@@ -1,0 +1,67 @@
+"""One engine's decode graphs captured again and again, each time under a programmatic-dependent-launch mode
+(`triton_launch.MODE`), in rounds: the graph replay time and the decode rate of each capture, side by side in
+one process. It separates what a launch mode does from what one capture happens to give (session 36: the same
+mode-3 code replayed the 30B-A3B batch-1 graph in 2.70 or 2.83 ms depending on the capture).
+
+    python benchmarks/recapture.py --config benchmarks/configs/qwen3-30b-a3b --batches 1 --modes 3 4 1 --rounds 2
+
+Dummy bf16 weights, `--context`-token prompts, the (batch, 1) graph replayed at context + 16 keys. The engine
+is built without mixed graphs: their static inputs (each step's tiles) are left from the last step, which a
+second capture's warm-up cannot run with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import gpu_decode  # noqa: E402
+
+from specserve.engine import cuda_graph  # noqa: E402
+from specserve.layers import triton_launch  # noqa: E402
+from specserve.models.config import ArchConfig, read_config  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--modes", type=int, nargs="+", choices=(0, 1, 2, 3, 4), default=[3, 4])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--out", default="recapture.json")
+    args = ap.parse_args()
+    arch = ArchConfig.from_dict(read_config(args.config))
+    cuda_graph.MIXED_TOKENS = ()
+    engine_args = SimpleNamespace(config=args.config, batches=args.batches, gen_len=args.gen_len, max_model_len=None,
+                                  max_kv_tokens=300_000)
+    llm = gpu_decode.start_engine(engine_args, args.context)
+    engine, runner = llm.engine, llm.engine.runner
+    gen = torch.Generator().manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "config": args.config, "context": args.context, "rows": []}
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            triton_launch.MODE = mode
+            runner.graphs.capture()
+            for batch in args.batches:
+                gpu_decode.set_context(runner.graphs, runner, batch, 1, args.context + 16)
+                replay = gpu_decode.time_events(runner.graphs.graphs[(batch, 1)].replay, 50)
+                rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
+                row = {"round": round_, "mode": mode, "batch": batch, "replay_ms": replay * 1e3, "tokens_per_s": rate}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
