@@ -21,13 +21,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
 
 import gpu_decode  # noqa: E402
 
 from specserve.engine import cuda_graph  # noqa: E402
 from specserve.layers import triton_launch  # noqa: E402
-from specserve.models.config import ArchConfig, read_config  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +38,7 @@ def main() -> None:
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--out", default="recapture.json")
     args = ap.parse_args()
-    arch = ArchConfig.from_dict(read_config(args.config))
+    arch = gpu_decode.ArchConfig.from_dict(gpu_decode.read_config(args.config))
     cuda_graph.MIXED_TOKENS = ()
     engine_args = SimpleNamespace(config=args.config, batches=args.batches, gen_len=args.gen_len, max_model_len=None,
                                   max_kv_tokens=300_000)
