@@ -454,6 +454,55 @@ def test_embed_norm_pair_is_two_norms_side_by_side(dtype):
     assert torch.equal(out, want)
 
 
+@needs_kernels
+@pytest.mark.parametrize("follows", [False, True])
+@pytest.mark.parametrize("trees", [False, True])
+def test_fill_step_writes_what_the_separate_copies_wrote(follows, trees):
+    """A decode graph's static inputs from one packed copy and one launch (`cuda_graph.packed_inputs`,
+    `triton_ops.fill_step`) against the copies they replace: placeholders resolved from the pending tokens,
+    slots past the step's tokens the scratch slot, tables, lengths and request rows, entries past them untouched."""
+    from specserve.engine.cuda_graph import StepInputs, packed_inputs, resolve_ids
+    from specserve.layers import triton_ops
+
+    device, q, bs, scratch, block = torch.device(DEVICE["name"]), 2, 4, 999, 4
+    step = StepInputs(ids=[5, -2, 7, -1, 11, 12], positions=[8, 9, 3, 4, 13, 14], q_lens=[2, 2, 2],
+                      seq_lens=[10, 5, 15], block_tables=[[3, 1, 4], [2, 0], [6, 5, 7, 8]],
+                      trees=[None, torch.ones(2, 2), None] if trees else [None] * 3, logit_index=[1, 3, 5],
+                      req_indices=[2, 0, 1])
+    pending = torch.tensor([40, 41, 42], device=device)
+    n, real = len(step.ids), len(step.q_lens)
+
+    def buffers():
+        return dict(ids=torch.full((12,), -7, device=device), positions=torch.full((12,), -7, device=device),
+                    slots=torch.full((12,), -7, device=device), tree_bits=torch.full((12,), -7, device=device),
+                    rows=torch.full((bs + 1,), -7, device=device),
+                    seq_lens=torch.full((bs + 1,), -7, dtype=torch.int32, device=device),
+                    tree_lens=torch.full((bs + 1,), -7, dtype=torch.int32, device=device),
+                    tables=torch.full((bs + 1, 6), -7, dtype=torch.int32, device=device))
+
+    got, want = buffers(), buffers()
+    packed, width = packed_inputs(step, block, bs, 9 if follows else None)
+    triton_ops.fill_step(torch.from_numpy(packed).to(device), pending, got["ids"], got["positions"], got["slots"],
+                         None if trees else got["tree_bits"], got["rows"][:bs] if follows else None,
+                         got["seq_lens"][:bs], got["tree_lens"][:bs], got["tables"], n, bs * q, real, width, scratch)
+    slots = [t[p // block] * block + p % block for t, s in zip(step.block_tables, step.seq_lens) for p in (s - 2, s - 1)]
+    want["ids"][:n] = resolve_ids(torch.tensor(step.ids, device=device), pending)
+    want["positions"][:n] = torch.tensor(step.positions)
+    want["slots"][:n] = torch.tensor(slots)
+    want["slots"][n:bs * q] = scratch
+    if not trees:
+        want["tree_bits"][:n] = 0
+    if follows:
+        want["rows"][:bs] = torch.tensor([2, 0, 1, 9])
+    want["seq_lens"][:bs] = torch.tensor([10, 5, 15, 0])
+    want["tree_lens"][:bs] = torch.tensor([0, 2, 0, 0] if trees else [0, 0, 0, 0])
+    for r, table in enumerate(step.block_tables):
+        want["tables"][r, :width] = torch.tensor(table + [0] * (width - len(table)))
+    assert want["ids"][:n].tolist() == [5, 41, 7, 40, 11, 12]
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 @needs_cuda
 def test_keep_features_moves_rows_and_block_ends():
     """The follower's bookkeeping: this step's features into the requests' rows, block ends kept, padding

@@ -21,9 +21,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..device import to_device
+from ..layers import triton_ops
 from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,38 @@ class StepInputs:
     trees: list  # per sequence: [q, q] ancestor mask or None (causal)
     logit_index: list[int]
     req_indices: list[int]  # per sequence: its request index (Sequence.req_index)
+
+
+def resolve_ids(ids: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    """ids with each placeholder -1-r replaced by pending[r] (overlap scheduling: tokens sampled on the device
+    by the step before, not yet read on the host)."""
+    if pending is None:
+        return ids
+    return torch.where(ids >= 0, ids, pending[(-1 - ids).clamp(min=0)])
+
+
+def packed_inputs(step: StepInputs, block_size: int, bs: int, pad_index: int | None) -> tuple[np.ndarray, int]:
+    """A decode step's inputs as `triton_ops.fill_step` reads them, int64: ids, positions and new-token slots [n]
+    each, the request index of each of bs rows (with pad_index for rows past the step's; none for None),
+    seq_lens and tree lengths [bs] each (0 past the step's rows) and block tables [real, width] zero-padded;
+    and width."""
+    real, n = len(step.q_lens), len(step.ids)
+    width = max(1, max(len(t) for t in step.block_tables))
+    extra = bs if pad_index is not None else 0
+    packed = np.zeros(3 * n + extra + 2 * bs + real * width, dtype=np.int64)
+    packed[:n] = step.ids
+    packed[n:2 * n] = step.positions
+    packed[2 * n:3 * n] = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, block_size)
+    at = 3 * n
+    if pad_index is not None:
+        packed[at:at + bs] = step.req_indices + [pad_index] * (bs - real)
+        at += bs
+    packed[at:at + real] = step.seq_lens
+    packed[at + bs:at + bs + real] = [t.shape[1] if t is not None else 0 for t in step.trees]
+    at += 2 * bs
+    for r, table in enumerate(step.block_tables):
+        packed[at + r * width:at + r * width + len(table)] = table
+    return packed, width
 
 
 class GraphRunner:
@@ -198,61 +232,49 @@ class GraphRunner:
         return 0, fits[0]
 
     @torch.inference_mode()
-    def replay(self, key: tuple[int, int], step: StepInputs, resolve=None
+    def replay(self, key: tuple[int, int], step: StepInputs, pending: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """Fill the static inputs from step (resolve: fills in tokens still on the device) and replay: the logits,
-        the auxiliary hidden states and, beside them after a mixed graph, the step's (ids, positions, slots)."""
+        """Fill the static inputs from step (pending: the tokens still on the device that its placeholder ids
+        -1-r refer to, row r) and replay: the logits, the auxiliary hidden states and, beside them after a mixed
+        graph, the step's (ids, positions, slots). A decode graph's inputs travel as one copy and one launch
+        (`triton_ops.fill_step`), where they took 3 copies and 10-16 small kernels (session 37)."""
         bs, q = key
         if bs == 0:
-            return self._replay_mixed(q, step, resolve)
+            return self._replay_mixed(q, step, pending)
         real, n = len(step.q_lens), len(step.ids)
-        slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
-        tables = padded_tables(step.block_tables)  # [real, width]
-        width = tables.shape[1]
         follows = q == 1 and self.follow is not None
-        rows = step.req_indices + [self.pad_index] * (bs - real) if follows else []
-        longs = to_device(step.ids + step.positions + slots + rows, torch.long, self.device)  # [3n (+ bs)]
-        ints = torch.tensor([step.seq_lens + [0] * (bs - real),
-                             [t.shape[1] if t is not None else 0 for t in step.trees] + [0] * (bs - real)],
-                            dtype=torch.int32)  # [2, bs]
-        self.ids[:n].copy_(resolve(longs[:n]) if resolve is not None else longs[:n])
-        self.positions[:n].copy_(longs[n:2 * n])
-        self.slots[:n].copy_(longs[2 * n:3 * n])
-        if follows:
-            self.req_indices[:bs].copy_(longs[3 * n:])
-        if any(t is not None for t in step.trees):
+        trees = any(t is not None for t in step.trees)
+        packed, width = packed_inputs(step, self.block_size, bs, self.pad_index if follows else None)
+        triton_ops.fill_step(to_device(torch.from_numpy(packed), torch.long, self.device), pending, self.ids,
+                             self.positions, self.slots, None if trees else self.tree_bits,
+                             self.req_indices[:bs] if follows else None, self.seq_lens[:bs], self.tree_lens[:bs],
+                             self.block_tables, n, bs * q, real, width, self.scratch_slot)
+        if trees:
             self.tree_bits[:n].copy_(self.backend.tree_bits(step.trees, step.q_lens, self.device))
-        else:
-            self.tree_bits[:n].zero_()
-        self.slots[n:bs * q].fill_(self.scratch_slot)
-        self.block_tables[:real, :width].copy_(to_device(tables, torch.int32, self.device))
-        ints = to_device(ints, torch.int32, self.device)
-        self.seq_lens[:bs].copy_(ints[0])
-        self.tree_lens[:bs].copy_(ints[1])
         self.graphs[key].replay()
         self.replays += 1
         logits, aux = self.outputs[key]
         # the proposer keeps aux rows past this step and the next replay overwrites the static output
         return logits[:n], (aux[:n].clone() if aux is not None else None), None
 
-    def _replay_mixed(self, tokens: int, step: StepInputs, resolve) -> tuple[torch.Tensor, torch.Tensor | None,
+    def _replay_mixed(self, tokens: int, step: StepInputs, pending) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                               tuple | None]:
-        self.fill_mixed(tokens, step, resolve)
+        self.fill_mixed(tokens, step, pending)
         key = (0, tokens)
         self.graphs[key].replay()
         self.replays += 1
         self.mixed_replays += 1
         return self.mixed_outputs(step, *self.outputs[key])
 
-    def fill_mixed(self, tokens: int, step: StepInputs, resolve=None) -> None:
-        """Set a step into the static inputs of the mixed graph of `tokens` tokens."""
+    def fill_mixed(self, tokens: int, step: StepInputs, pending: torch.Tensor | None = None) -> None:
+        """Set a step into the static inputs of the mixed graph of `tokens` tokens (pending: as `replay`)."""
         real, n, rows = len(step.q_lens), len(step.ids), len(step.logit_index)
         slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
         tables = padded_tables(step.block_tables)  # [real, width]
         longs = to_device(step.ids + step.positions + slots + step.logit_index + [0] * (self.max_bs - rows),
                           torch.long, self.device)  # [3n + max_bs]
         ints = to_device([step.seq_lens, step.q_lens], torch.int32, self.device)  # [2, real]
-        self.ids[:n].copy_(resolve(longs[:n]) if resolve is not None else longs[:n])
+        self.ids[:n].copy_(resolve_ids(longs[:n], pending))
         self.positions[:n].copy_(longs[n:2 * n])
         self.slots[:n].copy_(longs[2 * n:3 * n])
         self.slots[n:tokens].fill_(self.scratch_slot)

@@ -18,7 +18,7 @@ from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, token_logprobs
 from ..models import ArchConfig, load_model
-from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts
+from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts, resolve_ids
 from .distributed import Ranks
 from .sequence import ScheduledSeq, Sequence, TokenLogprob
 
@@ -241,7 +241,7 @@ class ModelRunner:
                     ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
-            logits, aux, inputs = self.graphs.replay(key, step, self.resolve_pending)
+            logits, aux, inputs = self.graphs.replay(key, step, self.pending_tokens)
             return logits, aux, (StepTensors(*inputs) if inputs is not None else None)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
@@ -257,9 +257,7 @@ class ModelRunner:
     def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
         """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device
         (overlap scheduling)."""
-        if self.pending_tokens is None:
-            return ids
-        return torch.where(ids >= 0, ids, self.pending_tokens[(-1 - ids).clamp(min=0)])
+        return resolve_ids(ids, self.pending_tokens)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
         """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""

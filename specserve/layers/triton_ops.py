@@ -295,3 +295,52 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         launch_kernel(_rotary, (tokens,), x, cos, sin, positions, x.stride(0), x.stride(1), heads, HALF=head_dim // 2,
                       BLOCK_H=_pow2(heads), num_warps=4)
     return x
+
+
+if triton is not None:
+    @triton.jit
+    def _fill_step(Packed, Pending, Ids, Positions, Slots, TreeBits, Rows, SeqLens, TreeLens, Tables, n, tokens, bs,
+                   real, width, stride_table, scratch, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr,
+                   ZERO_TREE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        wait_for_previous(PDL)
+        # Packed (int64) = ids [n] | positions [n] | slots [n] | Rows' values [bs] if ROWS | seq_lens [bs] |
+        # tree_lens [bs] | tables [real, width]; ids below 0 are placeholders -1-r for Pending[r]
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        known = i < n
+        ids = tl.load(Packed + i, mask=known, other=0)
+        if HAS_PENDING:
+            ids = tl.where(ids >= 0, ids, tl.load(Pending + tl.maximum(-1 - ids, 0), mask=known & (ids < 0), other=0))
+        tl.store(Ids + i, ids, mask=known)
+        tl.store(Positions + i, tl.load(Packed + n + i, mask=known), mask=known)
+        slots = tl.load(Packed + 2 * n + i, mask=known, other=0)
+        tl.store(Slots + i, tl.where(known, slots, scratch), mask=i < tokens)
+        if ZERO_TREE:
+            tl.store(TreeBits + i, tl.zeros([BLOCK], tl.int64), mask=known)
+        row = i < bs
+        at = 3 * n
+        if ROWS:
+            tl.store(Rows + i, tl.load(Packed + at + i, mask=row), mask=row)
+            at += bs
+        tl.store(SeqLens + i, tl.load(Packed + at + i, mask=row).to(tl.int32), mask=row)
+        tl.store(TreeLens + i, tl.load(Packed + at + bs + i, mask=row).to(tl.int32), mask=row)
+        cell = i < real * width
+        tl.store(Tables + (i // tl.maximum(width, 1)) * stride_table + i % tl.maximum(width, 1),
+                 tl.load(Packed + at + 2 * bs + i, mask=cell).to(tl.int32), mask=cell)
+
+
+def fill_step(packed: torch.Tensor, pending: Optional[torch.Tensor], ids: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor, tree_bits: Optional[torch.Tensor], rows: Optional[torch.Tensor],
+              seq_lens: torch.Tensor, tree_lens: torch.Tensor, tables: torch.Tensor, n: int, tokens: int, real: int,
+              width: int, scratch: int) -> None:
+    """A decode graph's static inputs from one packed int64 tensor, in one launch (cuda_graph.GraphRunner.replay):
+    packed = ids [n] | positions [n] | slots [n] | rows [bs] (with rows) | seq_lens [bs] | tree_lens [bs] |
+    tables [real, width], bs = len(seq_lens). ids[:n] (placeholders -1-r resolved to pending[r]), positions[:n],
+    slots[:tokens] (scratch past n), tree_bits[:n] zeroed (None: left), rows, seq_lens, tree_lens and
+    tables[:real, :width] written."""
+    bs = seq_lens.shape[0]
+    block = 128
+    programs = triton.cdiv(max(tokens, bs, real * width, 1), block)
+    launch_kernel(_fill_step, (programs,), packed, packed if pending is None else pending, ids, positions, slots,
+                  ids if tree_bits is None else tree_bits, ids if rows is None else rows, seq_lens, tree_lens, tables,
+                  n, tokens, bs, real, width, tables.stride(0), scratch, HAS_PENDING=pending is not None,
+                  ROWS=rows is not None, ZERO_TREE=tree_bits is not None, BLOCK=block, num_warps=4)
