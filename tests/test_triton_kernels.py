@@ -485,7 +485,8 @@ def test_fill_step_writes_what_the_separate_copies_wrote(follows, trees):
     triton_ops.fill_step(torch.from_numpy(packed).to(device), pending, got["ids"], got["positions"], got["slots"],
                          None if trees else got["tree_bits"], got["rows"][:bs] if follows else None,
                          got["seq_lens"][:bs], got["tree_lens"][:bs], got["tables"], n, bs * q, real, width, scratch)
-    slots = [t[p // block] * block + p % block for t, s in zip(step.block_tables, step.seq_lens) for p in (s - 2, s - 1)]
+    slots = [t[p // block] * block + p % block
+             for t, s in zip(step.block_tables, step.seq_lens) for p in (s - 2, s - 1)]
     want["ids"][:n] = resolve_ids(torch.tensor(step.ids, device=device), pending)
     want["positions"][:n] = torch.tensor(step.positions)
     want["slots"][:n] = torch.tensor(slots)

@@ -16,7 +16,9 @@ MODULES = sorted(p for p in LAYERS.glob("triton_*.py") if p.name != "triton_laun
 def _kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     jitted = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and any(ast.unparse(d) == "triton.jit" for d in node.decorator_list):
+        jit = isinstance(node, ast.FunctionDef) and any(ast.unparse(d).startswith("triton.jit")
+                                                         for d in node.decorator_list)
+        if jit:
             jitted[node.name] = node
     return jitted
 

@@ -200,6 +200,10 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> float:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        empty = torch.zeros(1, dtype=torch.long, device=self.device)
+        triton_ops.fill_step(empty, empty, self.ids, self.positions, self.slots, self.tree_bits, self.req_indices,
+                             self.seq_lens[:0], self.tree_lens[:0], self.block_tables, 0, 0, 0, 1,
+                             self.scratch_slot)  # compiled here, not in the first step
         self.seq_lens.zero_()
         keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
         keys += [(0, tokens) for tokens in reversed(self.mixed_tokens)]

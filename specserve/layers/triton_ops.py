@@ -298,27 +298,29 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "tokens", "bs", "real", "width", "scratch", "has_pending", "has_rows",
+                                   "zero_tree"])
     def _fill_step(Packed, Pending, Ids, Positions, Slots, TreeBits, Rows, SeqLens, TreeLens, Tables, n, tokens, bs,
-                   real, width, stride_table, scratch, HAS_PENDING: tl.constexpr, ROWS: tl.constexpr,
-                   ZERO_TREE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                   real, width, stride_table, scratch, has_pending, has_rows, zero_tree, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
         wait_for_previous(PDL)
-        # Packed (int64) = ids [n] | positions [n] | slots [n] | Rows' values [bs] if ROWS | seq_lens [bs] |
-        # tree_lens [bs] | tables [real, width]; ids below 0 are placeholders -1-r for Pending[r]
+        # Packed (int64) = ids [n] | positions [n] | slots [n] | Rows' values [bs] if has_rows | seq_lens [bs] |
+        # tree_lens [bs] | tables [real, width]; ids below 0 are placeholders -1-r for Pending[r]. One compiled
+        # variant whatever the step (flags and sizes not specialised): no compile inside a running engine
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         known = i < n
         ids = tl.load(Packed + i, mask=known, other=0)
-        if HAS_PENDING:
+        if has_pending != 0:
             ids = tl.where(ids >= 0, ids, tl.load(Pending + tl.maximum(-1 - ids, 0), mask=known & (ids < 0), other=0))
         tl.store(Ids + i, ids, mask=known)
         tl.store(Positions + i, tl.load(Packed + n + i, mask=known), mask=known)
         slots = tl.load(Packed + 2 * n + i, mask=known, other=0)
         tl.store(Slots + i, tl.where(known, slots, scratch), mask=i < tokens)
-        if ZERO_TREE:
+        if zero_tree != 0:
             tl.store(TreeBits + i, tl.zeros([BLOCK], tl.int64), mask=known)
         row = i < bs
         at = 3 * n
-        if ROWS:
+        if has_rows != 0:
             tl.store(Rows + i, tl.load(Packed + at + i, mask=row), mask=row)
             at += bs
         tl.store(SeqLens + i, tl.load(Packed + at + i, mask=row).to(tl.int32), mask=row)
@@ -342,5 +344,5 @@ def fill_step(packed: torch.Tensor, pending: Optional[torch.Tensor], ids: torch.
     programs = triton.cdiv(max(tokens, bs, real * width, 1), block)
     launch_kernel(_fill_step, (programs,), packed, packed if pending is None else pending, ids, positions, slots,
                   ids if tree_bits is None else tree_bits, ids if rows is None else rows, seq_lens, tree_lens, tables,
-                  n, tokens, bs, real, width, tables.stride(0), scratch, HAS_PENDING=pending is not None,
-                  ROWS=rows is not None, ZERO_TREE=tree_bits is not None, BLOCK=block, num_warps=4)
+                  n, tokens, bs, real, width, tables.stride(0), scratch, int(pending is not None),
+                  int(rows is not None), int(tree_bits is not None), BLOCK=block, num_warps=4)
