@@ -5,7 +5,8 @@
 
 Per configuration and batch size, after a warm-up pass over every batch size: wall ms per decode step,
 output tokens per request per step, the engine's draft and verify time per step, and the device-kernel
-ms per step from the torch profiler (a second, profiled window). `8b`: the Llama-3.1-8B shape and its
+ms per step from the torch profiler (on CUDA, a profiled window in a second pass over the configurations, after
+every wall time: a profiler session slows the process's later graph replays). `8b`: the Llama-3.1-8B shape and its
 EAGLE-3 drafter shape with dummy bf16 weights (the drafts accept nothing, so steps stay at the full
 shape); `tiny`: the shipped pair. Prompts are 200 random token ids. The ratio of a speculative step's
 wall time to its kernel time is the host's share; the ratio to a plain step is what the controller weighs
@@ -111,28 +112,50 @@ def main() -> None:
 
     batches = [int(b) for b in args.batches.split(",")]
     common, configs = configurations(args.model)
+    names = args.configs.split(",")
     results = json.load(open(args.out)) if os.path.exists(args.out) else {}
-    for name in args.configs.split(","):
+
+    def build(name: str) -> LLMEngine:
+        """The configuration's engine, warmed up: every shape's kernels compiled before anything is timed."""
         engine = LLMEngine(EngineConfig.from_options(device=args.device, max_model_len=1024, max_num_seqs=max(batches),
                                                      kv_cache_gb=16, kv_host_ratio=0.0, **common, **configs[name]))
-        for batch in batches:  # warm-up: every shape's kernels compiled before anything is timed
-            measure(engine, batch, 4, False, seed=0)
         for batch in batches:
-            timed = measure(engine, batch, args.steps, False, seed=batch)
-            profiled = measure(engine, batch, args.steps // 2, True, seed=batch + 1)
+            measure(engine, batch, 4, False, seed=0)
+        return engine
+
+    def release(engine: LLMEngine) -> None:
+        engine.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # every wall time first: after a torch profiler session, CUDA graph replays in the process run 2-5% slower
+    # (docs/performance.md, session 37), so the profiled windows come in a second pass over the configurations
+    for name in names:
+        engine = build(name)
+        for batch in batches:
+            results[f"{args.model}/{name}/bs{batch}"] = measure(engine, batch, args.steps, False, seed=batch)
             if args.host_profile:
                 os.makedirs(args.host_profile, exist_ok=True)
                 measure(engine, batch, args.steps, False, batch + 2,
                         os.path.join(args.host_profile, f"{args.model}-{name}-bs{batch}.txt"))
-            row = dict(timed, kernel_ms=profiled["kernel_ms"] or 0.0, profiled_ms_per_step=profiled["ms_per_step"])
-            results[f"{args.model}/{name}/bs{batch}"] = row
-            print(f"{args.model:5s} {name:6s} bs {batch:3d}  wall {row['ms_per_step']:6.2f} ms  kernels "
-                  f"{row['kernel_ms']:6.2f} ms  draft {row['draft_ms']:5.2f}  verify {row['verify_ms']:5.2f}  "
-                  f"tok/req/step {row['tokens_per_request_step']:.2f}", flush=True)
             json.dump(results, open(args.out, "w"), indent=1)
-        engine.close()
+        release(engine)
         del engine
-        torch.cuda.empty_cache()
+    for name in names if torch.cuda.is_available() and args.device != "cpu" else []:
+        engine = build(name)
+        for batch in batches:
+            profiled = measure(engine, batch, args.steps // 2, True, seed=batch + 1)
+            results[f"{args.model}/{name}/bs{batch}"].update(kernel_ms=profiled["kernel_ms"] or 0.0,
+                                                            profiled_ms_per_step=profiled["ms_per_step"])
+            json.dump(results, open(args.out, "w"), indent=1)
+        release(engine)
+        del engine
+    for name in names:
+        for batch in batches:
+            row = results[f"{args.model}/{name}/bs{batch}"]
+            print(f"{args.model:5s} {name:6s} bs {batch:3d}  wall {row['ms_per_step']:6.2f} ms  kernels "
+                  f"{row['kernel_ms'] or 0.0:6.2f} ms  draft {row['draft_ms']:5.2f}  "
+                  f"verify {row['verify_ms']:5.2f}  tok/req/step {row['tokens_per_request_step']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ and the k the adaptive controller chooses per batch size, for tensor_parallel_si
 Configurations: plain (no drafter), chain (speculate every step) and adaptive (the default policy).
 Only steps in which every request decodes count (prefill excluded). Collective time: on CUDA, the device
 time of NCCL kernels in a profiled window of steps (they include waiting for the other rank), per step,
-over the unprofiled step time; on CPU, rank 0's wall time inside all-reduce / all-gather / sending the
+over the unprofiled step time, profiled on a fresh engine after every timed run (a profiler session slows
+the process's later graph replays); on CPU, rank 0's wall time inside all-reduce / all-gather / sending the
 step's call. `--acceptance` pins the controller's per-position acceptance (dummy weights accept nothing,
 so the choice would be k = 0 whatever the costs): the k it then picks shows what the measured step costs
 of one rank against N decide, for a drafter that accepts that often. Writes every figure to `--out`.
@@ -94,15 +95,32 @@ def nccl_ms_per_step(engine, batch: int, args, gen, window: int = 16) -> float:
     return us / 1e3 / max(1, steps)
 
 
-def measure(tp: int, name: str, args) -> dict:
+def build(tp: int, name: str, args) -> LLM:
+    """The configuration's engine on tp ranks."""
     options = dict(CONFIGURATIONS[name])
     if name != "plain" and args.draft:
         options["speculative_draft_model_path"] = args.draft
     if name != "plain":
         options.setdefault("speculative_algorithm", "EAGLE3")
-    llm = LLM(args.model, tensor_parallel_size=tp, device=args.device, load_format=args.load_format,
-              max_model_len=args.prompt_len + args.max_tokens + 64, max_num_seqs=max(args.batches),
-              kv_host_ratio=0.0, **options)
+    return LLM(args.model, tensor_parallel_size=tp, device=args.device, load_format=args.load_format,
+               max_model_len=args.prompt_len + args.max_tokens + 64, max_num_seqs=max(args.batches),
+               kv_host_ratio=0.0, **options)
+
+
+def collective_ms(tp: int, name: str, args) -> dict:
+    """Per batch size, the device ms of NCCL kernels per decode step (`nccl_ms_per_step`) of a fresh engine."""
+    llm = build(tp, name, args)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        return {batch: nccl_ms_per_step(llm.engine, batch, args, gen) for batch in args.batches}
+    finally:
+        llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def measure(tp: int, name: str, args) -> dict:
+    llm = build(tp, name, args)
     engine = llm.engine
     rows = {}
     try:
@@ -118,16 +136,13 @@ def measure(tp: int, name: str, args) -> dict:
             row = dict(tok_s=r["tokens"] / r["seconds"], ms_per_step=ms, decode_steps=r["steps"],
                        k_chosen={str(k): n for k, n in sorted(r["ks"].items())},
                        mean_k=sum(k * n for k, n in r["ks"].items()) / r["steps"])
-            if tp > 1 and args.device == "cuda":
-                nccl = nccl_ms_per_step(engine, batch, args, gen)
-                row["collective_ms_per_step"] = nccl
-                row["collective_share"] = nccl / ms
-            elif tp > 1:
+            if tp > 1 and args.device != "cuda":
                 row["collective_share"] = r["host_waited"] / r["seconds"]
             rows[batch] = row
+        for batch, row in rows.items():
             share = f"{100 * row['collective_share']:.0f}%" if "collective_share" in row else "-"
-            print(f"| {batch} | {name} | {tp} | {ms:.2f} | {row['tok_s']:,.0f} | {share} | {row['mean_k']:.2f} | "
-                  f"{row['k_chosen']} |", flush=True)
+            print(f"| {batch} | {name} | {tp} | {row['ms_per_step']:.2f} | {row['tok_s']:,.0f} | {share} | "
+                  f"{row['mean_k']:.2f} | {row['k_chosen']} |", flush=True)
         graphs = engine.runner.graphs
         return dict(rows=rows, cuda_graphs=graphs is not None and len(graphs.graphs) > 0)
     finally:
@@ -169,6 +184,16 @@ def main() -> None:
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(results, f, indent=1)
+    # after every timed run: a profiler session slows the process's later graph replays (session 37)
+    for name in args.configs.split(",") if args.tp > 1 and args.device == "cuda" else ():
+        rows = results["runs"][f"{name}/tp{args.tp}"]["rows"]
+        for batch, ms in collective_ms(args.tp, name, args).items():
+            rows[batch].update(collective_ms_per_step=ms, collective_share=ms / rows[batch]["ms_per_step"])
+            print(f"{name} TP={args.tp} batch {batch}: {ms:.2f} ms a step in NCCL kernels "
+                  f"({100 * rows[batch]['collective_share']:.0f}%)", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
     for name in args.configs.split(","):
         one, many = results["runs"].get(f"{name}/tp1"), results["runs"].get(f"{name}/tp{args.tp}")
         ratios = [many["rows"][b]["tok_s"] / one["rows"][b]["tok_s"] for b in one["rows"]]
