@@ -67,7 +67,10 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
 
     with torch.inference_mode():
         eager(model, step_of([tokens(20), tokens(9), tokens(10)], [0, 0, 0], [True, True, False]), cache, group, dev)
-        steps = [step_of([tokens(1), tokens(1), tokens(28)], [20, 9, 10], [True, True, False]),  # 30 tokens: graph 32
+        verify = step_of([tokens(3), tokens(1), tokens(12)], [20, 9, 10], [True, True, False])
+        verify.logit_index = [0, 1, 2, 3]  # the first row verifies a chain of 2 drafts: its 3 tokens sample
+        steps = [verify,  # 16 tokens: graph 32
+                 step_of([tokens(1), tokens(1), tokens(28)], [20, 9, 10], [True, True, False]),  # 30 tokens: graph 32
                  step_of([tokens(1), tokens(1), tokens(40)], [21, 10, 38], [True, True, True])]  # 42: graph 64
         for step in steps:
             key = runner.graph_for(step)
@@ -82,14 +85,18 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
 
 
 def test_steps_a_mixed_graph_takes():
-    """Steps with a draft (a row sampling more than its last token), a tree or too many tokens run eagerly."""
+    """A chain's verify rows (every token sampling) beside a prompt take a mixed graph; a tree, more logits rows
+    or rows than the graphs hold, or too many tokens run eagerly."""
     runner = GraphRunner.__new__(GraphRunner)
     runner.sizes, runner.mixed_tokens, runner.max_bs = {1: [1, 2, 4]}, (32, 64), 4
     assert runner.graph_for(step_of([[5], [6]], [3, 4], [True, True])) == (2, 1)  # decode: a uniform graph
     assert runner.graph_for(step_of([[5], [6] * 10], [3, 0], [True, True])) == (0, 32)
     assert runner.graph_for(step_of([[5] * 65], [0], [True])) is None
+    drafted = step_of([[5], [6] * 3], [3, 7], [True, True])
+    drafted.logit_index = [0, 1, 2, 3]  # the second row verifies 3 tokens
+    assert runner.graph_for(drafted) == (0, 32)
     drafted = step_of([[5], [6] * 4], [3, 7], [True, True])
-    drafted.logit_index = [0, 1, 2, 3, 4]  # the second row verifies 4 tokens
+    drafted.logit_index = [0, 1, 2, 3, 4]  # 5 logits rows: more than the 4 the graphs compute
     assert runner.graph_for(drafted) is None
     tree = step_of([[5], [6] * 10], [3, 0], [True, True])
     tree.trees = [None, torch.ones(10, 10, dtype=torch.bool)]
