@@ -8,7 +8,7 @@ import torch
 
 from specserve import ConfigError
 from specserve.config import EngineConfig
-from specserve.engine.cuda_graph import GraphRunner, StepInputs
+from specserve.engine.cuda_graph import GraphRunner, StepInputs, chunk_pair_slots
 from specserve.layers.attention import TritonBackend, new_token_slots
 from specserve.layers.triton_attention import build_triton_metadata
 from specserve.models import load_model
@@ -67,9 +67,9 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
 
     with torch.inference_mode():
         eager(model, step_of([tokens(20), tokens(9), tokens(10)], [0, 0, 0], [True, True, False]), cache, group, dev)
-        verify = step_of([tokens(3), tokens(1), tokens(12)], [20, 9, 10], [True, True, False])
-        verify.logit_index = [0, 1, 2, 3]  # the first row verifies a chain of 2 drafts: its 3 tokens sample
-        steps = [verify,  # 16 tokens: graph 32
+        verify = step_of([tokens(4), tokens(1), tokens(12)], [20, 9, 10], [True, True, False])
+        verify.logit_index = [0, 1, 2, 3, 4]  # the first row verifies a chain of 3 drafts: its 4 tokens sample,
+        steps = [verify,  # 17 tokens: graph 32; 5 logits rows where the graph computes 4 (max_bs)
                  step_of([tokens(1), tokens(1), tokens(28)], [20, 9, 10], [True, True, False]),  # 30 tokens: graph 32
                  step_of([tokens(1), tokens(1), tokens(40)], [21, 10, 38], [True, True, True])]  # 42: graph 64
         for step in steps:
@@ -77,16 +77,16 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
             assert key == (0, 32 if len(step.ids) <= 32 else 64)
             want_logits, want_aux = eager(model, step, cache, group, dev)
             runner.fill_mixed(key[1], step)
-            logits, aux, (ids, positions, slots) = runner.mixed_outputs(step, *runner._run(*key))
+            logits, aux, (ids, positions, slots, pairs_stored) = runner.mixed_outputs(step, *runner._run(*key))
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
-            assert ids.tolist() == step.ids and positions.tolist() == step.positions
+            assert ids.tolist() == step.ids and positions.tolist() == step.positions and not pairs_stored  # no follower
             assert slots.tolist() == new_token_slots(step.q_lens, step.seq_lens, step.block_tables, PAGE)
 
 
 def test_steps_a_mixed_graph_takes():
-    """A chain's verify rows (every token sampling) beside a prompt take a mixed graph; a tree, more logits rows
-    or rows than the graphs hold, or too many tokens run eagerly."""
+    """A chain's verify rows (every token sampling) beside a prompt take a mixed graph; a tree, more rows than
+    the graphs hold or too many tokens run eagerly."""
     runner = GraphRunner.__new__(GraphRunner)
     runner.sizes, runner.mixed_tokens, runner.max_bs = {1: [1, 2, 4]}, (32, 64), 4
     assert runner.graph_for(step_of([[5], [6]], [3, 4], [True, True])) == (2, 1)  # decode: a uniform graph
@@ -96,12 +96,21 @@ def test_steps_a_mixed_graph_takes():
     drafted.logit_index = [0, 1, 2, 3]  # the second row verifies 3 tokens
     assert runner.graph_for(drafted) == (0, 32)
     drafted = step_of([[5], [6] * 4], [3, 7], [True, True])
-    drafted.logit_index = [0, 1, 2, 3, 4]  # 5 logits rows: more than the 4 the graphs compute
-    assert runner.graph_for(drafted) is None
+    drafted.logit_index = [0, 1, 2, 3, 4]  # 5 logits rows: more than the 4 the graph computes (taken after it)
+    assert runner.graph_for(drafted) == (0, 32)
     tree = step_of([[5], [6] * 10], [3, 0], [True, True])
     tree.trees = [None, torch.ones(10, 10, dtype=torch.bool)]
     assert runner.graph_for(tree) is None
     assert runner.graph_for(step_of([[5]] * 5, [1] * 5, [True] * 5)) is None  # more rows than the graphs hold
+
+
+def test_chunk_pair_slots_pair_the_tokens_of_each_prompt_chunk():
+    """A decode token, a chunk of 3 that samples nothing (mid-prompt), a verified chain of 3 (every token samples)
+    and a chunk of 2 sampling its last: pairs (token r, token r + 1) within the chunks only, in r + 1's slot."""
+    step = StepInputs(list(range(9)), list(range(9)), [1, 3, 3, 2], [5, 3, 8, 2], [[0]] * 4, [None] * 4,
+                      [0, 4, 5, 6, 8], [0, 1, 2, 3])
+    slots = [10, 20, 21, 22, 30, 31, 32, 40, 41]
+    assert chunk_pair_slots(step, slots, 99) == [99, 21, 22, 99, 99, 99, 99, 41, 99]
 
 
 @pytest.mark.skipif(DEVICE["name"] != "cuda", reason="CUDA graphs")
@@ -113,14 +122,16 @@ def test_mixed_graph_replays_the_eager_step(tmp_path):
     with torch.inference_mode():
         eager(model, step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in (20, 9, 10)], [0, 0, 0],
                              [True, True, False]), cache, group, dev)
-        for starts, sizes in (([20, 9, 10], (1, 1, 28)), ([21, 10, 38], (1, 1, 40))):
+        for starts, sizes in (([20, 9, 10], (4, 1, 12)), ([20, 9, 10], (1, 1, 28)), ([21, 10, 38], (1, 1, 40))):
             step = step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in sizes], starts,
                            [True, True, True])
+            if sizes[0] == 4:  # the first row verifies a chain: 6 logits rows where the graph computes 4
+                step.logit_index = [0, 1, 2, 3, 4, 16]
             want_logits, want_aux = eager(model, step, cache, group, dev)
             logits, aux, _ = runner.replay(runner.graph_for(step), step)
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
-    assert runner.mixed_replays == 2
+    assert runner.mixed_replays == 3
 
 
 def test_cuda_graph_max_tokens_is_checked():

@@ -320,6 +320,37 @@ def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_o
     assert trees["default"] == trees["eager"]
 
 
+@pytest.mark.skipif(DEVICE["name"] != "cuda", reason="mixed CUDA graphs need CUDA")
+@pytest.mark.parametrize("prefix", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+def test_mixed_graphs_store_the_draft_pairs_eager_steps_store(pair, plain_outputs, prefix):
+    """Four slots for 16 requests of staggered lengths: prompts are admitted beside chains being verified, in
+    mixed graphs that verify the chains and store the draft pairs within the prompt chunks (the pairs before
+    them, after a cached prefix, eagerly). Both engines must propose the same trees (they depend on every
+    stored pair) and decode what plain decoding does."""
+    target, draft = pair
+    prompts, want = plain_outputs
+    params = [SamplingParams(temperature=0, max_tokens=NEW - 5 * (i % 7), ignore_eos=True)
+              for i in range(len(prompts))]
+    trees = {}
+    for engine in ("default", "eager"):
+        llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                       speculative_num_steps=3, speculative_policy="always", enable_prefix_caching=prefix,
+                       max_num_seqs=4, **ENGINES[engine])
+        spec, seen = llm.engine.spec, []
+        spec.loop = None  # every chain step drafts through propose
+        propose = spec.proposer.propose
+        spec.proposer.propose = lambda seqs, shape, seen=seen, propose=propose: _record_trees(
+            seen, seqs, propose(seqs, shape))
+        for _ in range(2):
+            outs = llm.generate(prompts, params)
+            assert [o.token_ids for o in outs] == [w[:p.max_tokens] for w, p in zip(want, params)]
+        trees[engine] = seen
+        assert_pool_full(llm)
+        if engine == "default":
+            assert llm.engine.runner.graphs.mixed_replays > 10
+    assert trees["default"] == trees["eager"]
+
+
 def test_adaptive_decodes_plain_in_steps_that_compute_prompt_tokens(pair, plain_outputs):
     """Requests of different lengths through two slots: later prompts are admitted while others decode.
     Every step that computes prompt tokens is chosen with prefill=True and decodes plain (k = 0: also one

@@ -98,6 +98,21 @@ def resolve_ids(ids: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor
     return torch.where(ids >= 0, ids, pending[(-1 - ids).clamp(min=0)])
 
 
+def chunk_pair_slots(step: StepInputs, slots: list[int], scratch: int) -> list[int]:
+    """Per token r of a step, the KV slot of the draft pair (its features, token r + 1) that a mixed graph stores
+    (`DraftFollower.store_chunk_pairs`): token r + 1's slot where both lie in one prompt chunk, the scratch slot
+    elsewhere (a row's last token, decode tokens, and the chains a step verifies, whose tokens may be rejected)."""
+    out = [scratch] * len(slots)
+    sampled = set(step.logit_index)
+    start = 0
+    for q in step.q_lens:
+        end = start + q
+        if q > 1 and end - 2 not in sampled:  # a prompt chunk: a verified chain samples every token
+            out[start:end - 1] = slots[start + 1:end]
+        start = end
+    return out
+
+
 def packed_inputs(step: StepInputs, block_size: int, bs: int, pad_index: int | None) -> tuple[np.ndarray, int]:
     """A decode step's inputs as `triton_ops.fill_step` reads them, int64: ids, positions and new-token slots [n]
     each, the request index of each of bs rows (with pad_index for rows past the step's; none for None),
@@ -147,6 +162,8 @@ class GraphRunner:
         self.ids = torch.zeros(most_tokens, **i64)
         self.positions = torch.zeros(most_tokens, **i64)
         self.slots = torch.full((most_tokens,), scratch_slot, **i64)
+        # mixed graphs with a follower: per token r, the slot of the draft pair (aux[r], ids[r + 1]) it stores
+        self.pair_slots = torch.full((most_tokens,), scratch_slot, **i64)
         self.tree_bits = torch.zeros(most_tokens, **i64)
         # row max_bs: the mixed graphs' padding row, whose seq_lens and q_lens stay 0
         self.block_tables = torch.zeros(max_bs + 1, max_blocks, **i32)
@@ -157,9 +174,11 @@ class GraphRunner:
         self.max_bs = max_bs
         self.mixed = backend.mixed_tiles(max(self.mixed_tokens), max_bs, group, device) if self.mixed_tokens else None
         self.mixed_q_lens = torch.zeros(max_bs + 1, **i32)
-        self.logit_rows = torch.zeros(max_bs, **i64)  # mixed graphs: each sampling row's token
+        # mixed graphs: each sampling row's token (the graph computes the logits of the first min(tokens, max_bs))
+        self.logit_rows = torch.zeros(max(self.mixed_tokens, default=0) + max_bs, **i64)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # decode graphs: (logits, aux); mixed graphs: (logits, aux, hidden) (`mixed_outputs`)
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0
@@ -181,8 +200,11 @@ class GraphRunner:
         if bs == 0:  # a mixed graph of q tokens
             hidden, aux = self.model(self.ids[:q], self.positions[:q], self._mixed_meta(q), self.aux_layers)
             aux = torch.cat(aux, dim=-1) if aux else None  # [q, aux_dim]
+            if aux is not None and self.follow is not None:
+                self.follow.store_chunk_pairs(self.ids[1:q], aux[:q - 1], self.positions[:q - 1],
+                                              self.pair_slots[:q - 1])
             rows = min(q, self.max_bs)  # a step of q tokens samples at most q rows
-            return self.model.compute_logits(hidden[self.logit_rows[:rows]]), aux
+            return self.model.compute_logits(hidden[self.logit_rows[:rows]]), aux, hidden
         n = bs * q
         follows = q == 1 and self.follow is not None
         if follows:  # the draft's share that needs no output of the model runs beside it
@@ -229,8 +251,7 @@ class GraphRunner:
 
     def _mixed_for(self, step: StepInputs) -> tuple[int, int] | None:
         fits = [t for t in self.mixed_tokens if t >= len(step.ids)]
-        if (not fits or len(step.q_lens) > self.max_bs or len(step.logit_index) > self.max_bs
-                or any(t is not None for t in step.trees)):
+        if not fits or len(step.q_lens) > self.max_bs or any(t is not None for t in step.trees):
             return None
         return 0, fits[0]
 
@@ -274,25 +295,34 @@ class GraphRunner:
         real, n, rows = len(step.q_lens), len(step.ids), len(step.logit_index)
         slots = new_token_slots(step.q_lens, step.seq_lens, step.block_tables, self.block_size)
         tables = padded_tables(step.block_tables)  # [real, width]
-        longs = to_device(step.ids + step.positions + slots + step.logit_index + [0] * (self.max_bs - rows),
-                          torch.long, self.device)  # [3n + max_bs]
+        logit_rows = step.logit_index + [0] * max(0, min(tokens, self.max_bs) - rows)
+        pairs = chunk_pair_slots(step, slots, self.scratch_slot) if self.follow is not None else []
+        longs = to_device(step.ids + step.positions + slots + pairs + logit_rows, torch.long,
+                          self.device)  # [3n (+ n) + rows]
         ints = to_device([step.seq_lens, step.q_lens], torch.int32, self.device)  # [2, real]
         self.ids[:n].copy_(resolve_ids(longs[:n], pending))
         self.positions[:n].copy_(longs[n:2 * n])
         self.slots[:n].copy_(longs[2 * n:3 * n])
         self.slots[n:tokens].fill_(self.scratch_slot)
-        self.logit_rows.copy_(longs[3 * n:])
+        if pairs:
+            self.pair_slots[:n].copy_(longs[3 * n:4 * n])
+            self.pair_slots[n:tokens].fill_(self.scratch_slot)
+        self.logit_rows[:len(logit_rows)].copy_(longs[3 * n + len(pairs):])
         self.block_tables[:real, :tables.shape[1]].copy_(to_device(tables, torch.int32, self.device))
         self.seq_lens[:real].copy_(ints[0])
         self.mixed_q_lens[:real].copy_(ints[1])
         self.tree_lens[:real].zero_()
         self.mixed.fill(step.q_lens, tokens)
 
-    def mixed_outputs(self, step: StepInputs, logits: torch.Tensor, aux: torch.Tensor | None
+    def mixed_outputs(self, step: StepInputs, logits: torch.Tensor, aux: torch.Tensor | None, hidden: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """A mixed graph's outputs cut to the step: its logits rows, aux rows and (ids, positions, slots)."""
+        """A mixed graph's outputs cut to the step: its logits rows, aux rows and (ids, positions, slots). A step
+        sampling more rows than the graph computes logits for (the chains a speculative step verifies beside a
+        prompt) takes them from the graph's hidden states [tokens, H], eagerly: two launches."""
         n, rows = len(step.ids), len(step.logit_index)
+        if rows > logits.shape[0]:
+            logits = self.model.compute_logits(hidden[self.logit_rows[:rows]])  # [rows, vocab]
         if aux is None:
             return logits[:rows], None, None
         return logits[:rows], aux[:n].clone(), (self.ids[:n].clone(), self.positions[:n].clone(),
-                                                self.slots[:n].clone())
+                                                self.slots[:n].clone(), self.follow is not None)

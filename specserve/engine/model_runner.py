@@ -29,11 +29,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class StepTensors:
-    """An eager step's inputs on the device, for a proposer that reads the step's aux beside them."""
+    """A step's inputs on the device, for a proposer that reads the step's aux beside them."""
 
     ids: torch.Tensor  # [num_tokens] the step's tokens (placeholders resolved)
     positions: torch.Tensor  # [num_tokens]
     slots: torch.Tensor  # [num_tokens] each token's KV cache slot
+    chunk_pairs_stored: bool = False  # the step's graph stored the draft pairs within its prompt chunks
 
 
 @dataclass

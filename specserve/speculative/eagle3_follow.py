@@ -68,6 +68,14 @@ class DraftFollower:
         previous = self.features.index_select(0, rows)  # [bs, aux_dim]
         self.proposer.draft.store_kv(ids, previous, (positions - 1).clamp(min=0), slots, self.proposer.kv_cache)
 
+    def store_chunk_pairs(self, next_ids: torch.Tensor, aux: torch.Tensor, positions: torch.Tensor,
+                          slots: torch.Tensor) -> None:
+        """In a mixed graph, after the model: the draft KV of the pairs within the step's prompt chunks, which the
+        proposer would otherwise store from the step's outputs, eagerly (`Eagle3Proposer.observe`). Per token r:
+        aux [n, aux_dim] its features, next_ids [n] the token after it, positions [n] its position, slots [n]
+        the pair's slot (token r + 1's where both lie in one prompt chunk, else the scratch slot)."""
+        self.proposer.draft.store_kv(next_ids, aux, positions, slots, self.proposer.kv_cache)
+
     def keep(self, aux: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor) -> None:
         """In the graph, after the model and `store_previous`: aux [bs, aux_dim] this step's features into
         the rows (and the block features at a block's last position), for the next step; tables

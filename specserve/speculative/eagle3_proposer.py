@@ -163,8 +163,9 @@ class Eagle3Proposer(Proposer):
                             prompts: list[tuple[Sequence, range]]) -> None:
         """Store the draft KV of the pairs a step's prompt chunks complete, from the step's own tensors:
         within a chunk of rows r0..r1-1 the pair of row r is (aux[r], the token of row r + 1), in row r + 1's
-        slot; the pair before the chunk (a feature left pending, the chunk's first token) joins them. Each
-        sequence is one pair behind after it: the chunk's last feature waits for the next token."""
+        slot (stored already where the step's graph did: `inputs.chunk_pairs_stored`); the pair before the
+        chunk (a feature left pending, the chunk's first token) joins them. Each sequence is one pair behind
+        after it: the chunk's last feature waits for the next token."""
         within, crossing, gather = [], [], RowGather()
         for seq, idx in prompts:
             state = seq.draft_state
@@ -175,7 +176,11 @@ class Eagle3Proposer(Proposer):
             within.append(torch.arange(idx.start, idx.stop - 1))
             state.computed += len(idx) - 1
             state.pending.append((aux, range(idx.stop - 1, idx.stop)))
-        rows = self._ids(torch.cat(within))  # [pairs within chunks]
+        if inputs.chunk_pairs_stored:
+            within = []
+            if not crossing:
+                return
+        rows = self._ids(torch.cat(within) if within else torch.empty(0, dtype=torch.long))  # [pairs within chunks]
         ids, features = inputs.ids[rows + 1], aux[rows]
         positions, slots = inputs.positions[rows], inputs.slots[rows + 1]
         if crossing:
