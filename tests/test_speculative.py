@@ -251,6 +251,23 @@ def test_start_up_calibration_prices_every_shape_and_leaves_the_engine_as_new(pa
     assert off.engine.spec.calibration is None
 
 
+def test_calibration_sizes_an_arriving_prompt_to_the_largest_mixed_graph():
+    """The step with an arriving prompt that start-up prices is the kind most arrivals take: within the largest
+    mixed CUDA graph where the runner has them (past it a step runs eagerly), else the step's token budget."""
+    from types import SimpleNamespace
+
+    from specserve.speculative.calibration import _arrival_tokens
+
+    def engine(graphs, budget=2048):
+        return SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=budget)),
+                               runner=SimpleNamespace(graphs=graphs))
+
+    assert _arrival_tokens(engine(SimpleNamespace(mixed_tokens=(32, 64, 512)))) == 512
+    assert _arrival_tokens(engine(SimpleNamespace(mixed_tokens=(32, 64, 512)), budget=256)) == 256
+    assert _arrival_tokens(engine(SimpleNamespace(mixed_tokens=()))) == 2048  # mixed graphs off
+    assert _arrival_tokens(engine(None)) == 2048  # no graphs (CPU, enforce_eager)
+
+
 def test_a_calibration_budget_too_short_for_one_size_times_one_round(pair):
     """Steps slow enough (a slow link, a busy host) that the first batch size alone outlasts the budget:
     that size gets one round of every shape instead of two, and no other size is timed."""

@@ -7,9 +7,10 @@ cost ratios, see `Controller._cost`), timed steps of each shape the controller m
 between the shapes. CUDA graphs are captured before, so a step here is what a live step costs: graph
 replays plus the host's work. Then, per draft shape, what its step costs over a plain one when it also
 prefills a new request's prompt (`prompt_extra`): windows of steps opened by such a step in the shape
-and in plain (a step with a prompt runs eagerly and synchronously, and its verify tokens add compute
-to a step the prompt made compute-bound, so its price is not a decode-only step's). The requests are aborted
-and the engine's counters restored afterwards; only the tables remain (`Controller.seed_costs`).
+and in plain (a step with a prompt runs synchronously, from a mixed CUDA graph where it fits one, and its
+verify tokens add compute to a step the prompt made compute-bound, so its price is not a decode-only step's).
+The requests are aborted and the engine's counters restored afterwards; only the tables remain
+(`Controller.seed_costs`).
 Acceptance is not measured here: random prompts say nothing about the workload's, which the controller
 learns online.
 """
@@ -82,6 +83,16 @@ def batch_sizes(max_num_seqs: int, fits: int) -> list[int]:
     return sizes + [top] if top >= 1 else sizes
 
 
+def _arrival_tokens(engine) -> int:
+    """The most tokens a step with an arriving prompt computes here: the step's token budget, or the largest
+    mixed CUDA graph's tokens, which serve most prompts as they arrive (a step past them runs eagerly: on the
+    H200 a step of the 8B shape with a prompt and chain-3 verifies at C = 5 took ~127 ms eagerly, ~24 graphed)."""
+    budget = engine.config.scheduler.max_num_batched_tokens
+    graphs = engine.runner.graphs
+    mixed = max(graphs.mixed_tokens, default=0) if graphs is not None else 0
+    return min(budget, mixed) if mixed else budget
+
+
 def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64, rounds: int = 2, warmup: int = 2,
               timed: int = 3, arriving_len: int = 512, prompt_timed: int = 3) -> Calibration:
     """Time `rounds` x `timed` steps of every shape at the batch sizes of `batch_sizes` in turn, each run
@@ -92,8 +103,9 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
     times the longest chain accepting nothing and everything (synthetic verdicts), for the host time per
     emitted token. Then, with what is left of the budget and from the
     smallest size again, `prompt_timed` times per draft shape what its step with a prompt of up to
-    `arriving_len` tokens costs over a plain one (`_prompt_extra`; skipped where the step's token budget
-    leaves the prompt under 64 tokens or no request more fits). The engine must be idle; it is idle again afterwards."""
+    `arriving_len` tokens costs over a plain one (`_prompt_extra`; the prompt cut to what the step's tokens
+    leave in the largest mixed graph, `_arrival_tokens`; skipped where that is under 64 tokens or no request
+    more fits). The engine must be idle; it is idle again afterwards."""
     start = time.perf_counter()
     saved = copy.deepcopy(engine.stats)
     spec = engine.spec
@@ -139,7 +151,7 @@ def calibrate(engine, shapes: list[Shape], budget_s: float, prompt_len: int = 64
         measured = _within_budget(dummies, sizes, start, budget_s, decode_steps)
         result.fit_token_seconds()
         dummies.abort()
-        arriving = {n: min(arriving_len, engine.config.scheduler.max_num_batched_tokens - n * most_nodes)
+        arriving = {n: min(arriving_len, _arrival_tokens(engine) - n * most_nodes)
                     for n in measured if n < engine.config.scheduler.max_num_seqs}
         arriving = {n: a for n, a in arriving.items() if a >= 64 and longest - prompt_len >= prompt_need}
 
