@@ -6,7 +6,8 @@
 Per configuration and batch size, after a warm-up pass over every batch size: wall ms per decode step,
 output tokens per request per step, the engine's draft and verify time per step, and the device-kernel
 ms per step from the torch profiler (on CUDA, a profiled window in a second pass over the configurations, after
-every wall time: a profiler session slows the process's later graph replays). `8b`: the Llama-3.1-8B shape and its
+every wall time: a profiler session slows the process's later graph replays) with its 30 costliest kernels
+(`kernels`: launches and us per step). `8b`: the Llama-3.1-8B shape and its
 EAGLE-3 drafter shape with dummy bf16 weights (the drafts accept nothing, so steps stay at the full
 shape); `tiny`: the shipped pair. Prompts are 200 random token ids. The ratio of a speculative step's
 wall time to its kernel time is the host's share; the ratio to a plain step is what the controller weighs
@@ -62,7 +63,7 @@ def measure(engine, batch: int, steps: int, profiled: bool, seed: int, host_prof
         engine.step()
     spec, stats = engine.stats.spec, engine.stats
     before = (spec.draft_time_s, spec.verify_time_s, stats.num_generation_tokens)
-    kernel_ms = None
+    kernel_ms, kernel_table = None, None
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     start = time.perf_counter()
     if profiled and torch.cuda.is_available():
@@ -70,8 +71,11 @@ def measure(engine, batch: int, steps: int, profiled: bool, seed: int, host_prof
             for _ in range(steps):
                 engine.step()
             torch.cuda.synchronize()
-        kernels = sum(getattr(e, "self_device_time_total", 0) or 0 for e in prof.key_averages())
-        kernel_ms = kernels / 1e3 / steps
+        events = [e for e in prof.key_averages() if (getattr(e, "self_device_time_total", 0) or 0) > 0]
+        kernel_ms = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:30]
+        kernel_table = [{"name": e.key[:120], "per_step": round(e.count / steps, 2),
+                         "us_per_step": round(e.self_device_time_total / steps, 2)} for e in top]
     else:
         host = cProfile.Profile() if host_profile else None
         if host:
@@ -91,7 +95,8 @@ def measure(engine, batch: int, steps: int, profiled: bool, seed: int, host_prof
     return {"ms_per_step": 1e3 * wall / steps,
             "tokens_per_request_step": (stats.num_generation_tokens - before[2]) / steps / batch,
             "draft_ms": 1e3 * (spec.draft_time_s - before[0]) / steps,
-            "verify_ms": 1e3 * (spec.verify_time_s - before[1]) / steps, "kernel_ms": kernel_ms}
+            "verify_ms": 1e3 * (spec.verify_time_s - before[1]) / steps, "kernel_ms": kernel_ms,
+            "kernels": kernel_table}
 
 
 def main() -> None:
@@ -146,6 +151,7 @@ def main() -> None:
         for batch in batches:
             profiled = measure(engine, batch, args.steps // 2, True, seed=batch + 1)
             results[f"{args.model}/{name}/bs{batch}"].update(kernel_ms=profiled["kernel_ms"] or 0.0,
+                                                            kernels=profiled["kernels"],
                                                             profiled_ms_per_step=profiled["ms_per_step"])
             json.dump(results, open(args.out, "w"), indent=1)
         release(engine)
