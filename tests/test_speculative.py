@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specserve import SamplingParams
 
@@ -89,6 +90,29 @@ def _record_trees(seen, seqs, trees):
     seen.append(sorted((s.request_id, len(s.token_ids), t.batch[t.row].tolist() if t.tokens is None else t.tokens,
                         t.parents) for s, t in zip(seqs, trees)))
     return trees
+
+
+def test_a_chain_grown_as_a_tree_of_top_one_is_grow_chain(pair):
+    """The draft graphs grow a chain by `grow_chain` (an argmax a depth), as eager drafting does, where they grew it
+    by `grow` at top-1 (a log-softmax and a top-k a depth, scores and parents): the same tokens."""
+    target, draft = pair
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
+                   speculative_num_steps=3, speculative_policy="always")
+    proposer = llm.engine.spec.proposer
+    shape = next(s for s in llm.engine.spec.shapes if s.steps == 3 and s.topk == 1)
+    g = torch.Generator().manual_seed(0)
+    c = proposer.draft.config
+    hidden, vocab = c.hidden_size, c.draft_vocab_size
+    w, e, f = (torch.randn(*size, generator=g) for size in ((hidden, vocab), (VOCAB, vocab), (VOCAB, hidden)))
+
+    def expand(depth, tokens, h, ancestors):  # [B, K] target ids, [B, K, H] -> [B * K, vocab], [B * K, H]
+        h = h.reshape(-1, hidden)
+        return h @ w + e[tokens.reshape(-1)], torch.tanh(h + f[tokens.reshape(-1)])
+
+    logits, h = torch.randn(5, vocab, generator=g), torch.randn(5, hidden, generator=g)
+    chain = proposer.grow_chain(logits, h, 3, expand)  # [5, 3]
+    assert chain.shape == (5, 3)
+    assert torch.equal(proposer.grow(logits, h, shape, expand)[0], chain)
 
 
 def test_stops_inside_accepted_run(pair, plain_outputs):
