@@ -8,11 +8,12 @@ that no block owns and attend to nothing. Inputs are copied into static buffers 
 
 Mixed graphs, one per token count of MIXED_TOKENS (key (0, tokens)), take the steps with prompt chunks: rows
 of any query lengths packed one after another, causal within each row (prompt chunks, decode tokens and the
-chains a speculative step verifies beside a prompt; no trees), with up to max_bs logits rows in all, replayed
-from the smallest token count that holds the step; the attention backend's tiles over the rows are refilled
-before each replay (`AttentionBackend.mixed_tiles`). Eagerly, such a step costs one host launch per kernel,
-which on a small model is most of the step (session 38: on the H200 the shipped pair's speculative steps that
-took a prompt ran eagerly at ~6.6 ms, and chain-3 read 0.49x plain at C = 10).
+chains a speculative step verifies beside a prompt; no trees; logits rows past max_bs from the graph's hidden
+states, `mixed_outputs`), replayed from the smallest token count that holds the step; the attention backend's
+tiles over the rows are refilled before each replay (`AttentionBackend.mixed_tiles`). Eagerly, such a step
+costs one host launch per kernel, which on a small model is most of the step (session 38: on the H200 the
+shipped pair's speculative steps that took a prompt ran eagerly at ~6.6 ms, and chain-3 read 0.49x plain at
+C = 10).
 """
 from __future__ import annotations
 
