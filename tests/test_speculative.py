@@ -93,8 +93,8 @@ def _record_trees(seen, seqs, trees):
 
 
 def test_a_chain_grown_as_a_tree_of_top_one_is_grow_chain(pair):
-    """The draft graphs grow a chain by `grow_chain` (an argmax a depth), as eager drafting does, where they grew it
-    by `grow` at top-1 (a log-softmax and a top-k a depth, scores and parents): the same tokens."""
+    """Eager drafting grows a chain by `grow_chain` (an argmax a depth), the draft graphs by `grow` at top-1 (a
+    log-softmax and a top-k a depth, scores and parents): the same tokens."""
     target, draft = pair
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                    speculative_num_steps=3, speculative_policy="always")
