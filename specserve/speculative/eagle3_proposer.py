@@ -173,13 +173,12 @@ class Eagle3Proposer(Proposer):
                 for t, r in state.take(1):
                     gather.add(t, r, [len(crossing)])
                 crossing.append(idx.start)
-            within.append(torch.arange(idx.start, idx.stop - 1))
+            if not inputs.chunk_pairs_stored:
+                within.append(torch.arange(idx.start, idx.stop - 1))
             state.computed += len(idx) - 1
             state.pending.append((aux, range(idx.stop - 1, idx.stop)))
-        if inputs.chunk_pairs_stored:
-            within = []
-            if not crossing:
-                return
+        if not within and not crossing:
+            return
         rows = self._ids(torch.cat(within) if within else torch.empty(0, dtype=torch.long))  # [pairs within chunks]
         ids, features = inputs.ids[rows + 1], aux[rows]
         positions, slots = inputs.positions[rows], inputs.slots[rows + 1]
