@@ -93,8 +93,8 @@ def _record_trees(seen, seqs, trees):
 
 
 def test_a_chain_grown_as_a_tree_of_top_one_is_grow_chain(pair):
-    """Eager drafting grows a chain by `grow_chain` (an argmax a depth), the draft graphs by `grow` at top-1 (a
-    log-softmax and a top-k a depth, scores and parents): the same tokens."""
+    """Drafting grows a chain by `grow_chain` (an argmax a depth) where the draft graphs grew it by `grow` at
+    top-1 (a log-softmax and a top-k a depth, scores and parents): the same tokens."""
     target, draft = pair
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft,
                    speculative_num_steps=3, speculative_policy="always")
@@ -103,13 +103,14 @@ def test_a_chain_grown_as_a_tree_of_top_one_is_grow_chain(pair):
     g = torch.Generator().manual_seed(0)
     c = proposer.draft.config
     hidden, vocab = c.hidden_size, c.draft_vocab_size
-    w, e, f = (torch.randn(*size, generator=g) for size in ((hidden, vocab), (VOCAB, vocab), (VOCAB, hidden)))
+    dev = proposer.device
+    w, e, f = (torch.randn(*size, generator=g).to(dev) for size in ((hidden, vocab), (VOCAB, vocab), (VOCAB, hidden)))
 
     def expand(depth, tokens, h, ancestors):  # [B, K] target ids, [B, K, H] -> [B * K, vocab], [B * K, H]
         h = h.reshape(-1, hidden)
         return h @ w + e[tokens.reshape(-1)], torch.tanh(h + f[tokens.reshape(-1)])
 
-    logits, h = torch.randn(5, vocab, generator=g), torch.randn(5, hidden, generator=g)
+    logits, h = torch.randn(5, vocab, generator=g).to(dev), torch.randn(5, hidden, generator=g).to(dev)
     chain = proposer.grow_chain(logits, h, 3, expand)  # [5, 3]
     assert chain.shape == (5, 3)
     assert torch.equal(proposer.grow(logits, h, shape, expand)[0], chain)

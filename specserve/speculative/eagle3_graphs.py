@@ -2,7 +2,8 @@
 
 In steady state each drafting sequence has at most Q = (most steps of any shape) + 1 pairs to catch up on
 (the tokens its previous verify accepted, plus one). One graph per (batch size, shape) runs the draft on
-a padded [batch, Q] block of pairs, then grows the shape's candidates (`Eagle3Proposer.grow`) with the
+a padded [batch, Q] block of pairs, then grows the shape's candidates (`Eagle3Proposer.grow`; a chain's by
+`grow_chain`, an argmax a depth: the tree's top-k and scores cost 110 us a step on the 8B shape) with the
 attention metadata of every depth computed on the device from the static inputs: the sequences' root
 positions and block tables. Padding pairs and padding rows write their KV to a scratch slot that no block
 owns. The host fills the static inputs (token ids, pair counts, root positions, block tables, and the
@@ -47,7 +48,8 @@ class DraftGraphs:
         self.live = torch.zeros(max_bs, dtype=torch.bool, device=dev)  # [B] a real sequence
         self.tables = torch.zeros(max_bs, max_blocks, **i32)
         self.graphs: dict[tuple[int, Shape], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, Shape], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per key: candidates as `grow` returns them, for a chain `grow_chain`'s tokens alone (a 1-tuple)
+        self.outputs: dict[tuple[int, Shape], tuple[torch.Tensor, ...]] = {}
         self.replays = 0
 
     # ---- what the graph runs ---------------------------------------------------------------------
@@ -94,7 +96,13 @@ class DraftGraphs:
 
     def _run(self, bs: int, shape: Shape):
         logits, hidden = self._catch_up(bs)
-        return self.proposer.grow(logits, hidden, shape, lambda *a: self._expand(bs, *a))
+
+        def expand(*args):
+            return self._expand(bs, *args)
+
+        if shape.topk == 1:  # as eager drafting: an argmax a depth; a chain's readers take only its tokens
+            return (self.proposer.grow_chain(logits, hidden, shape.steps, expand),)
+        return self.proposer.grow(logits, hidden, shape, expand)
 
     # ---- capture and replay ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -115,7 +123,8 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fill the static inputs from seqs (marking their pairs seen) and replay; candidates as `grow`'s."""
+        """Fill the static inputs from seqs (marking their pairs seen) and replay; candidates as `grow`'s (a
+        chain's: `grow_chain`'s tokens, alone in a 1-tuple)."""
         bs = self.fill(seqs)
         self.graphs[(bs, shape)].replay()
         self.replays += 1
