@@ -36,3 +36,32 @@ class RowGather:
         for to, rows in reads:
             out[to] = rows
         return out
+
+
+class Constants:
+    """Read-only device tensors made once: code captured in a CUDA graph replays each torch.arange or
+    torch.full it calls as a kernel, where a tensor made before the capture (in its warm-up run) costs nothing.
+    Never write into one."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._made: dict[tuple, torch.Tensor] = {}
+
+    def arange(self, start: int, end: int | None = None, step: int = 1, dtype: torch.dtype = torch.long
+               ) -> torch.Tensor:
+        """torch.arange(start, end, step) (or torch.arange(start) without end)."""
+        start, end = (0, start) if end is None else (start, end)
+        return self._get(("arange", start, end, step, dtype), lambda: torch.arange(start, end, step, dtype=dtype,
+                                                                                   device=self.device))
+
+    def full(self, size: tuple[int, ...], value, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        return self._get(("full", tuple(size), value, dtype), lambda: torch.full(size, value, dtype=dtype,
+                                                                                 device=self.device))
+
+    def _get(self, key: tuple, make) -> torch.Tensor:
+        if key not in self._made:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"constant {key} first asked for inside a CUDA graph capture: make it in the "
+                                   "warm-up run (a captured fill would only run at replay)")
+            self._made[key] = make()
+        return self._made[key]

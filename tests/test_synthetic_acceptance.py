@@ -80,6 +80,20 @@ def test_a_detour_without_a_side_branch_ends_the_path():
     assert on_path[0].nonzero().flatten().tolist() == [0, 1, 3, 4]
 
 
+def test_chain_drawn_is_the_spine_path_of_a_chain():
+    """The speculative loop's chains take `chain_drawn` (two operations) for `spine_path`'s walk."""
+    from specserve.speculative.synthetic import chain_drawn, spine_path
+
+    for n in (2, 4, 6):
+        values = torch.arange(-1, n + 2)
+        want, detour = (x.reshape(-1) for x in torch.meshgrid(values, values, indexing="ij"))
+        want = want.clamp(min=0)  # rows with a draw
+        parents = torch.arange(-1, n - 1).expand(want.shape[0], n)
+        on_path, node = spine_path(parents, want, detour)
+        assert torch.equal(chain_drawn(want, detour, n), node)
+        assert torch.equal(on_path, torch.arange(n) <= node[:, None])
+
+
 def test_tree_children_rank_the_spine_first():
     scores = SyntheticAcceptance(TREE).child_scores(2, 4, "cpu")  # conditional 0.70 / 0.88 at depth 2
     assert scores.argmax() == 0 and abs(scores[0].exp() - 0.70 / 0.88) < 1e-6

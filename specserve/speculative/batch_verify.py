@@ -161,16 +161,30 @@ def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tenso
     return BatchVerdict(accept_len, path, out_tokens)
 
 
+def chain_verdict(tokens: torch.Tensor, argmax: torch.Tensor, accept_len: torch.Tensor) -> BatchVerdict:
+    """`path_verdict` for chains tokens [B, N] (node i's parent is i - 1) whose first accept_len [B] drafts
+    are accepted, followed by the target's token argmax [B, N] after the last of them, without sorting."""
+    b, n = tokens.shape
+    cols = torch.arange(n, device=tokens.device).expand(b, n)  # [B, N]
+    last = accept_len[:, None]  # [B, 1]
+    final = argmax.gather(1, last)  # [B, 1]
+    path = torch.where(cols <= last, cols, -1)
+    out_tokens = torch.where(cols < last, tokens.roll(-1, 1), torch.where(cols == last, final, -1))
+    return BatchVerdict(accept_len, path, out_tokens)
+
+
+def chain_accept_len(tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    """[B] the leading drafts of chains tokens [B, N] that equal the target's argmax [B, N] after their parent."""
+    return (tokens[:, 1:] == argmax[:, :-1]).long().cumprod(1).sum(1)
+
+
 def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
                          argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
     the accepted drafts are the leading ones that equal the target's argmax after their parent (or
     argmax [B, N] when given, as in `verify_batch`)."""
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
-    match = (tokens[:, 1:] == argmax[:, :-1]).long().cumprod(1).bool()  # [B, N-1] accepted drafts
-    on_path = torch.cat([torch.ones_like(match[:, :1]), match], 1)  # [B, N]
-    final = argmax.gather(1, match.sum(1, keepdim=True)).squeeze(1)  # [B] at the last accepted node
-    return path_verdict(tokens, on_path, final)
+    return chain_verdict(tokens, argmax, chain_accept_len(tokens, argmax))
 
 
 def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,

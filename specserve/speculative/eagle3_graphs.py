@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..device import RowGather, to_device
+from ..device import Constants, RowGather, to_device
 from ..engine.cuda_graph import capture_all, capture_sizes
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
@@ -51,46 +51,48 @@ class DraftGraphs:
         # per key: candidates as `grow` returns them, for a chain `grow_chain`'s tokens alone (a 1-tuple)
         self.outputs: dict[tuple[int, Shape], tuple[torch.Tensor, ...]] = {}
         self.replays = 0
+        self.const = Constants(dev)  # made in each capture's warm-up run
 
     # ---- what the graph runs ---------------------------------------------------------------------
     def _meta(self, bs: int, q: int, seq_lens: torch.Tensor, q_lens: torch.Tensor, slots: torch.Tensor,
               tree_bits: torch.Tensor, tree_len: int):
         """Metadata of q query slots per row (q_lens[b] of them real) ending at kv length seq_lens[b]."""
         p = self.proposer
-        tree_lens = torch.full((bs,), tree_len, dtype=torch.int32, device=seq_lens.device)
+        tree_lens = self.const.full((bs,), tree_len, torch.int32)
         return p.backend.static_metadata(slots, self.tables[:bs], seq_lens.int(), q_lens, tree_bits, tree_lens, q,
                                          p.group, p.block_size, p.kv_cache, skip_first_key=True)
 
-    def _slots(self, bs: int, kv: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """[bs * n] cache slots of kv indices kv [bs, n]; the scratch slot where not valid or not live."""
+    def _slots(self, bs: int, kv: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """[bs * n] cache slots of kv indices kv [bs, n]; the scratch slot where not valid (None: all valid) or
+        not live."""
         page = self.proposer.block_size
         slots = self.tables[:bs].long().gather(1, kv // page) * page + kv % page
-        return torch.where(valid & self.live[:bs, None], slots, self.scratch_slot).view(-1)
+        keep = self.live[:bs, None] if valid is None else valid & self.live[:bs, None]
+        return torch.where(keep, slots, self.scratch_slot).view(-1)
 
     def _catch_up(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft on each row's pairs (pair j at kv index j + 1); the last pair's logits and hidden."""
-        q, dev = self.q, self.ids.device
+        q = self.q
         q_lens, seq_lens = self.q_lens[:bs], self.ends[:bs] + 1
-        i = torch.arange(q, device=dev)
+        i = self.const.arange(q)
         kv = seq_lens[:, None] - q_lens[:, None] + i  # [bs, Q]
         valid = i < q_lens[:, None]
         kv = torch.where(valid, kv, 1)
         positions = (kv - 1).view(-1)
         meta = self._meta(bs, q, seq_lens, q_lens, self._slots(bs, kv, valid),
-                          torch.zeros(bs * q, dtype=torch.long, device=dev), 0)
-        last = torch.arange(bs, device=dev) * q + q_lens - 1  # [bs]
+                          self.const.full((bs * q,), 0), 0)
+        last = self.const.arange(0, bs * q, q) + q_lens - 1  # [bs]
         logits, h = self.proposer.draft(self.ids[:bs * q], self.features[:bs * q], positions, meta, last)
         return logits, h[last]
 
     def _expand(self, bs: int, depth: int, tokens: torch.Tensor, h_in: torch.Tensor, ancestors: torch.Tensor):
         """One draft depth: K nodes per row at kv indices past the root (see `Eagle3Proposer._expand`)."""
-        k, dev = tokens.shape[1], tokens.device
+        k = tokens.shape[1]
         seq_lens = self.ends[:bs] + depth * k + 1
-        kv = seq_lens[:, None] - k + torch.arange(k, device=dev)  # [bs, K]
-        bits = self.proposer.backend.tree_bitmask(ancestors).view(-1) if k > 1 else \
-            torch.zeros(bs, dtype=torch.long, device=dev)
-        meta = self._meta(bs, k, seq_lens, torch.full((bs,), k, dtype=torch.int32, device=dev),
-                          self._slots(bs, kv, torch.ones_like(kv, dtype=torch.bool)), bits, depth * k if k > 1 else 0)
+        kv = seq_lens[:, None] - k + self.const.arange(k)  # [bs, K]
+        bits = self.proposer.backend.tree_bitmask(ancestors).view(-1) if k > 1 else self.const.full((bs,), 0)
+        meta = self._meta(bs, k, seq_lens, self.const.full((bs,), k, torch.int32), self._slots(bs, kv), bits,
+                          depth * k if k > 1 else 0)
         positions = (self.ends[:bs] + depth - 1).repeat_interleave(k)
         return self.proposer.draft(tokens.reshape(-1), h_in.reshape(bs * k, -1), positions, meta)
 

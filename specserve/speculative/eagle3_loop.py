@@ -12,7 +12,7 @@ The engine launches step N+1 before it reads step N's result, with KV reserved f
 accept; while it applies step N (stop checks, outputs) the device runs step N+1. Anything that changes the
 batch (a request finishes, arrives or is aborted, the controller switches shape, the KV pool runs short)
 drains the pipeline: the last step's result is read and `hand_back` leaves every sequence's draft state as
-the synchronous path would. Verification is `verify_greedy_chains`' and `verify_batch`'s (synthetic
+the synchronous path would. Verification is `chain_verdict`'s and `verify_batch`'s (synthetic
 acceptance: the host's draws of each step, along each tree's spine as `SyntheticAcceptance.verify_batch`).
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
-from .batch_verify import path_verdict, verify_batch, verify_greedy_chains
+from .batch_verify import chain_accept_len, chain_verdict, path_verdict, verify_batch
 from .eagle3_proposer import DraftState
 from .shapes import Shape
-from .synthetic import spine_path
+from .synthetic import chain_drawn, spine_path
 from .tree import device_trees, spine_counts
 
 if TYPE_CHECKING:
@@ -87,13 +87,12 @@ class SpecLoop:
     # ---- what the graph runs ---------------------------------------------------------------------
     def _run(self, bs: int, shape: Shape) -> None:
         d, t, n = self.draft, self.target, shape.num_nodes
-        dev = d.ids.device
         tokens, parents, depths, bits = self._draft(bs, shape)  # each [bs, n]; bits None for chains
         ends, live = d.ends[:bs], d.live[:bs]
-        slot_pos = ends[:, None] + torch.arange(n, device=dev)  # [bs, n] node i's KV sits at position ends + i
+        slot_pos = ends[:, None] + d.const.arange(n)  # [bs, n] node i's KV sits at position ends + i
         t.ids[:bs * n].copy_(tokens.view(-1))
         t.positions[:bs * n].copy_((ends[:, None] + depths).view(-1))
-        t.slots[:bs * n].copy_(d._slots(bs, slot_pos, torch.ones_like(slot_pos, dtype=torch.bool)))
+        t.slots[:bs * n].copy_(d._slots(bs, slot_pos))
         t.seq_lens[:bs].copy_(torch.where(live, ends + n, 0))
         width = min(t.block_tables.shape[1], d.tables.shape[1])
         t.block_tables[:bs, :width].copy_(d.tables[:bs, :width])
@@ -104,11 +103,13 @@ class SpecLoop:
             t.tree_bits[:bs * n].copy_(bits.view(-1))
             t.tree_lens[:bs].copy_(torch.where(live, n, 0))
         logits, aux = t._run(bs, n)  # [bs * n, vocab], [bs * n, aux_dim]
-        on_path, final = self._verify(tokens, parents, logits.view(bs, n, -1), bits is None)
-        verdict = path_verdict(tokens, on_path, final)
-        if bits is not None:
+        if bits is None:
+            verdict = self._verify_chains(tokens, logits.view(bs, n, -1))
+        else:
+            on_path, final = self._verify(tokens, parents, logits.view(bs, n, -1))
+            verdict = path_verdict(tokens, on_path, final)
             self._move_kv(bs, slot_pos, verdict.path)
-        self._advance(bs, n, verdict, aux)
+        self._advance(bs, n, verdict, aux, bits is None)
         self.result[:bs, 0].copy_(verdict.accept_len)
         if bits is None:  # a chain is its own spine
             self.result[:bs, 1].copy_(verdict.accept_len)
@@ -121,37 +122,42 @@ class SpecLoop:
         """The step's trees: tokens, parents (-1 at the root), depths [bs, n] and, for trees, each node's
         ancestor bits [bs, n] (None for chains)."""
         d, n = self.draft, shape.num_nodes
-        dev = d.ids.device
         cands = d._run(bs, shape)
         q_lens = d.q_lens[:bs].long()
         root = d.ids[:bs * d.q].view(bs, d.q).gather(1, q_lens[:, None] - 1)  # [bs, 1] the last pair's token
-        nodes = torch.arange(n, device=dev).expand(bs, n)
+        nodes = d.const.arange(n).expand(bs, n)
         if shape.topk == 1:
-            return torch.cat([root, cands[0]], 1), nodes - 1, nodes, None
+            return torch.cat([root, cands[0]], 1), d.const.arange(-1, n - 1).expand(bs, n), nodes, None
         drafts, parents, depths, mask = device_trees(*cands, self.proposer.candidate_depths(shape), n)
         first = torch.zeros_like(root)
         return (torch.cat([root, drafts], 1), torch.cat([first - 1, parents], 1), torch.cat([first, depths], 1),
                 self.proposer.backend.tree_bitmask(mask))
 
-    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, chain: bool
+    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification of trees (chain: chains) tokens, parents [bs, n] against logits [bs, n, vocab]
-        (rows with a synthetic draw accept along their spine): the accepted nodes [bs, n] and the target's
-        token after the last of them [bs]."""
+        """Greedy verification of trees tokens, parents [bs, n] against logits [bs, n, vocab] (rows with a
+        synthetic draw accept along their spine): the accepted nodes [bs, n] and the target's token after the
+        last of them [bs]."""
         bs, n = tokens.shape
         nodes = torch.arange(n, device=tokens.device)
         argmax = logits.argmax(-1)  # [bs, n]
-        if chain:
-            greedy = nodes <= verify_greedy_chains(tokens, logits, argmax).accept_len[:, None]
-        else:
-            path = verify_batch(tokens, parents, logits, torch.ones(bs, dtype=torch.bool, device=tokens.device),
-                                argmax=argmax).path  # [bs, n] accepted nodes, then -1
-            greedy = torch.zeros(bs, n + 1, dtype=torch.bool, device=tokens.device)
-            greedy = greedy.scatter_(1, torch.where(path >= 0, path, n), True)[:, :n]
+        path = verify_batch(tokens, parents, logits, torch.ones(bs, dtype=torch.bool, device=tokens.device),
+                            argmax=argmax).path  # [bs, n] accepted nodes, then -1
+        greedy = torch.zeros(bs, n + 1, dtype=torch.bool, device=tokens.device)
+        greedy = greedy.scatter_(1, torch.where(path >= 0, path, n), True)[:, :n]
         want, detour = self.want[0, :bs], self.want[1, :bs]
         on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], greedy)
         last = torch.where(on_path, nodes, 0).amax(1)  # [bs] a path's nodes increase
         return on_path, argmax.gather(1, last[:, None]).squeeze(1)
+
+    def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor):
+        """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
+        synthetic draw accept `chain_drawn`'s drafts)."""
+        n = tokens.shape[1]
+        argmax = logits.argmax(-1)  # [bs, n]
+        want, detour = self.want[0, :tokens.shape[0]], self.want[1, :tokens.shape[0]]
+        drawn = chain_drawn(want, detour, n)  # [bs]
+        return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
 
     def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor) -> None:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
@@ -164,20 +170,21 @@ class SpecLoop:
         dst = d._slots(bs, slot_pos, moves)
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _advance(self, bs: int, n: int, verdict, aux: torch.Tensor) -> None:
+    def _advance(self, bs: int, n: int, verdict, aux: torch.Tensor, chain: bool) -> None:
         """The verdict becomes the next step's draft inputs: pairs (features at the accepted nodes, the token
         after each) and the new root position; the features of committed positions that end a block go to
-        the proposer's block features (as `Eagle3Proposer.observe`)."""
+        the proposer's block features (as `Eagle3Proposer.observe`). chain: the path is the leading nodes."""
         d, p = self.draft, self.proposer
-        live, dev = d.live[:bs], aux.device
+        live = d.live[:bs]
         page, count = p.block_size, verdict.accept_len + 1  # [bs] pairs to catch up on next
-        kept = torch.arange(n, device=dev) <= verdict.accept_len[:, None]  # [bs, n]
-        rows = verdict.path.clamp(min=0)[:, :, None].expand(bs, n, aux.shape[1])
-        features = aux.view(bs, n, -1).gather(1, rows)  # [bs, n, aux_dim] in path order
+        kept = d.const.arange(n) <= verdict.accept_len[:, None]  # [bs, n]
+        features = aux.view(bs, n, -1)  # [bs, n, aux_dim] in path order (past the path: not kept)
+        if not chain:
+            features = features.gather(1, verdict.path.clamp(min=0)[:, :, None].expand(bs, n, aux.shape[1]))
         m = min(n, d.q)  # a path holds at most steps + 1 = Q nodes
         d.ids[:bs * d.q].view(bs, d.q)[:, :m].copy_(torch.where(kept, verdict.out_tokens, 0)[:, :m])
         d.features[:bs * d.q].view(bs, d.q, -1)[:, :m].copy_(features[:, :m])
-        pos = d.ends[:bs, None] + torch.arange(n, device=dev)  # [bs, n] committed positions
+        pos = d.ends[:bs, None] + d.const.arange(n)  # [bs, n] committed positions
         ends_block = kept & (pos % page == page - 1) & live[:, None]
         blocks = torch.where(ends_block, d.tables[:bs].long().gather(1, pos // page), p.block_features.shape[0])
         p.all_block_features[blocks.view(-1)] = features.reshape(bs * n, -1)

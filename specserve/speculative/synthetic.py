@@ -113,3 +113,9 @@ def spine_path(parents: torch.Tensor, want: torch.Tensor, detour: Optional[torch
         node = torch.where(step, nxt, node)
         on_path = on_path | (step[:, None] & (cols == node[:, None]))
     return on_path, node
+
+
+def chain_drawn(want: torch.Tensor, detour: torch.Tensor, n: int) -> torch.Tensor:
+    """`spine_path` along chains of n nodes as drafts accepted [B], for rows with a draw (want >= 0): want,
+    ending at the detour's depth (a chain has no side branch), at most n - 1."""
+    return torch.where(detour >= 0, torch.minimum(want, detour), want).clamp(max=n - 1)
