@@ -124,7 +124,7 @@ class DraftGraphs:
                 and (not settled or all(s.num_computed_tokens - s.draft_state.computed <= self.q for s in seqs)))
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], shape: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, seqs: list[Sequence], shape: Shape) -> tuple[torch.Tensor, ...]:
         """Fill the static inputs from seqs (marking their pairs seen) and replay; candidates as `grow`'s (a
         chain's: `grow_chain`'s tokens, alone in a 1-tuple)."""
         bs = self.fill(seqs)
