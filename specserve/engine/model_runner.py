@@ -248,17 +248,12 @@ class ModelRunner:
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
                                      self.group, trees, self.kv_cache)
         aux_layers = self._own_aux(aux_layers)
-        ids, positions = self.resolve_pending(self._ids(step.ids)), self._ids(step.positions)
+        ids, positions = resolve_ids(self._ids(step.ids), self.pending_tokens), self._ids(step.positions)
         hidden, aux = self.model(ids, positions, meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)])
         if not aux:
             return logits, None, None
         return logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping)
-
-    def resolve_pending(self, ids: torch.Tensor) -> torch.Tensor:
-        """Replace placeholders -1-r by row r of the previous step's sampled tokens, on the device
-        (overlap scheduling)."""
-        return resolve_ids(ids, self.pending_tokens)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
         """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""
