@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from specserve.device import Constants
 from specserve.engine.cuda_graph import capture_all
 from specserve.layers import triton_attention
 from specserve.layers.attention import TritonBackend, build_metadata
@@ -178,7 +179,7 @@ def test_metadata_chooses_splits():
         return triton_attention.static_triton_metadata(
             torch.zeros(bs, dtype=torch.long), torch.zeros(bs, width, **i32), torch.zeros(bs, **i32),
             torch.ones(bs, **i32), torch.zeros(bs, dtype=torch.long), torch.zeros(bs, **i32), 1, 4, 16, cache, False,
-            {}).num_splits
+            Constants(cache.device)).num_splits
 
     assert (static(1, 1024), static(2, 1024), static(32, 1024), static(66, 1024), static(1, 8)) == (64, 32, 2, 1, 1)
 
@@ -200,7 +201,8 @@ def test_split_cuda_graph_replays_new_lengths(q, num_splits, dtype):
     xq = torch.zeros(bs * q, heads, head_dim, dtype=dtype, device=dev)
     xk, xv = (torch.zeros(bs * q, kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
     meta = triton_attention.static_triton_metadata(slots, tables, seq_lens, torch.full((bs,), q, **i32), bits,
-                                                   tree_lens, q, group, page, cache[None], False, {}, num_splits)
+                                                   tree_lens, q, group, page, cache[None], False, Constants(dev),
+                                                   num_splits)
     assert meta.num_splits == (num_splits or 16)  # auto: 6 programs; 1024 keys at most: 16 blocks, one a split
 
     def fill(ctx_lens):  # a step of len(ctx_lens) <= bs sequences, the rest padding rows
@@ -579,7 +581,7 @@ def mixed_case(tiles, rows, tokens, dev, rng, dtype, heads=6, kv_heads=2, head_d
     xq = torch.zeros(tokens, heads, head_dim, dtype=dtype, device=dev)
     xk, xv = (torch.zeros(tokens, kv_heads, head_dim, dtype=dtype, device=dev) for _ in range(2))
     meta = triton_attention.static_triton_metadata(slots, tables, seq_lens, q_lens_t, bits, tree_lens, tokens,
-                                                   heads // kv_heads, page, cache[None], False, {},
+                                                   heads // kv_heads, page, cache[None], False, Constants(dev),
                                                    tiles=tiles.view(tokens))
 
     def fill(ctx_lens, q_lens):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import Constants
+
 
 @dataclass
 class PaddedRows:
@@ -134,7 +136,7 @@ class TritonBackend(AttentionBackend):
     graphs = True
 
     def __init__(self):
-        self.constants: dict = {}  # static metadata's tile tensors per (batch, q, device)
+        self.constants: dict[torch.device, Constants] = {}  # static metadata's tile tensors, per device
 
     def metadata(self, q_lens, seq_lens, block_tables, block_size, device, group=1, tree_masks=None, kv_cache=None):
         from .triton_attention import build_triton_metadata  # imports triton: only on CUDA
@@ -146,8 +148,10 @@ class TritonBackend(AttentionBackend):
                         kv_cache, skip_first_key=False, tiles=None):
         from .triton_attention import static_triton_metadata
 
+        dev = seq_lens.device
+        const = self.constants.setdefault(dev, Constants(dev))
         return static_triton_metadata(slot_mapping, block_tables, seq_lens, q_lens, tree_bits, tree_lens, q, group,
-                                      page, kv_cache, skip_first_key, self.constants, tiles=tiles)
+                                      page, kv_cache, skip_first_key, const, tiles=tiles)
 
     def mixed_tiles(self, max_tokens, max_rows, group, device):
         from .triton_attention import MixedTiles

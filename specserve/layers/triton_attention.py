@@ -31,7 +31,7 @@ from typing import ClassVar, Optional
 
 import torch
 
-from ..device import to_device
+from ..device import Constants, to_device
 from .triton_launch import launch_kernel, let_next_launch, sm_count, wait_for_previous
 from .triton_split import combine_splits, splits_for
 
@@ -310,9 +310,9 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
 def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            q_lens: torch.Tensor, tree_bits: torch.Tensor, tree_lens: torch.Tensor, q: int, group: int,
                            page: int, kv_cache: torch.Tensor, skip_first_key: bool,
-                           constants: dict, num_splits: Optional[int] = None, tiles=None) -> TritonMetadata:
+                           constants: Constants, num_splits: Optional[int] = None, tiles=None) -> TritonMetadata:
     """The triton backend's metadata over fixed-shape device tensors (attention.AttentionBackend.static_metadata):
-    one tile per sequence of at most q <= 16 queries (`constants` caches those tile tensors per (batch, q)), or
+    one tile per sequence of at most q <= 16 queries (their tile tensors from `constants`, made in a warm-up run), or
     the given `tiles` (q_starts [batch], tile_seq, tile_q0 [num_tiles] int32, block_q), which the host refills.
     num_splits: key splits per tile; by default `auto_splits` at the longest context the block tables can hold
     (the kernel sizes each split's share from the live length, so shorter replays stay correct)."""
@@ -320,11 +320,8 @@ def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
     if tiles is not None:
         q_starts, tile_seq, tile_q0, block_q = tiles
     else:
-        key = (bs, q, dev)
-        if key not in constants:  # made in a capture's warm-up run, outside the graph
-            i32 = dict(dtype=torch.int32, device=dev)
-            constants[key] = (torch.arange(0, bs * q, q, **i32), torch.arange(bs, **i32), torch.zeros(bs, **i32))
-        (q_starts, tile_seq, tile_q0), block_q = constants[key], block_q_for(q, group)
+        q_starts, tile_seq = constants.arange(0, bs * q, q, torch.int32), constants.arange(bs, dtype=torch.int32)
+        tile_q0, block_q = constants.full((bs,), 0, torch.int32), block_q_for(q, group)
     if num_splits is None:
         num_splits = auto_splits(tile_seq.shape[0], block_tables.shape[1] * page, kv_cache, dev)
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
