@@ -9,7 +9,9 @@ import torch
 from specserve import SamplingParams
 from specserve.speculative.batch_verify import (
     draw_verify_random,
+    path_verdict,
     sampling_probs,
+    tree_accepted,
     verify_batch,
     verify_batch_params,
     verify_greedy_chains,
@@ -167,3 +169,39 @@ def test_greedy_chains_without_the_walk():
         for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
             assert torch.equal(a, w)
         assert 0 < int(fast.accept_len.sum()) < b * (n - 1)
+
+
+def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64: bit j of node i set when j is i or an ancestor of it (as `tree_bitmask` of a tree's mask)."""
+    bits = torch.zeros_like(parents)
+    for r, row in enumerate(parents.tolist()):
+        for i in range(len(row)):
+            j = i
+            while j >= 0:
+                bits[r, i] |= 1 << j
+                j = row[j]
+    return bits
+
+
+def test_tree_accepted_is_the_greedy_walk():
+    """The walk-free greedy verification of trees (`tree_accepted`, the speculative loop's) accepts the nodes
+    `verify_batch` walks to, on random trees whose sibling drafts sometimes repeat a token (the first sibling
+    then wins), and the verdict built from them is the walk's."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    accepted = 0
+    for _ in range(80):
+        b, n = rng.randint(1, 12), rng.randint(2, 12)
+        logits = torch.randn(b, n, 4) * 3  # a small vocabulary: siblings repeat tokens, many drafts accepted
+        tokens, parents = random_batch(rng, logits.softmax(-1))
+        walk = verify_batch(tokens, parents, logits, torch.ones(b, dtype=torch.bool))
+        argmax = logits.argmax(-1)
+        on_path = tree_accepted(tokens, parents, ancestor_bits(parents), argmax)
+        want = torch.zeros(b, n + 1, dtype=torch.bool).scatter_(1, torch.where(walk.path >= 0, walk.path, n), True)
+        assert torch.equal(on_path, want[:, :n])
+        last = torch.where(on_path, torch.arange(n), 0).amax(1)
+        fast = path_verdict(tokens, on_path, argmax.gather(1, last[:, None]).squeeze(1))
+        for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
+            assert torch.equal(a, w)
+        accepted += int(walk.accept_len.sum())
+    assert accepted > 100

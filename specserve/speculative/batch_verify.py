@@ -178,6 +178,21 @@ def chain_accept_len(tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor
     return (tokens[:, 1:] == argmax[:, :-1]).long().cumprod(1).sum(1)
 
 
+def tree_accepted(tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tensor, argmax: torch.Tensor
+                  ) -> torch.Tensor:
+    """The nodes [B, N] bool of trees tokens, parents [B, N] (-1 at the root) that `verify_batch`'s greedy walk
+    accepts after the target's argmax [B, N], without walking: a node whose token is the argmax after its
+    parent, the first such of its siblings, with every ancestor accepted too, read from bits [B, N] (each
+    node's ancestor bitmask, bit j: node j is it or an ancestor; `tree_bitmask`'s, at most 64 nodes)."""
+    n = tokens.shape[1]
+    cols = torch.arange(n, device=tokens.device)  # [N]
+    match = (tokens == argmax.gather(1, parents.clamp(min=0))) | (parents < 0)  # [B, N]
+    siblings = parents[:, :, None] == parents[:, None, :]  # [B, N, N] (j, i): same parent
+    shadowed = (siblings & (cols[None, :] < cols[:, None]) & match[:, None, :]).any(2)  # an earlier sibling matched
+    accepted_bits = ((match & ~shadowed).long() << cols).sum(1, keepdim=True)  # [B, 1] distinct bits: their OR
+    return (bits & ~accepted_bits) == 0
+
+
 def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
                          argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:

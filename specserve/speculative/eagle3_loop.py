@@ -12,7 +12,7 @@ The engine launches step N+1 before it reads step N's result, with KV reserved f
 accept; while it applies step N (stop checks, outputs) the device runs step N+1. Anything that changes the
 batch (a request finishes, arrives or is aborted, the controller switches shape, the KV pool runs short)
 drains the pipeline: the last step's result is read and `hand_back` leaves every sequence's draft state as
-the synchronous path would. Verification is `chain_verdict`'s and `verify_batch`'s (synthetic
+the synchronous path would. Verification is `chain_verdict`'s and `tree_accepted`'s (synthetic
 acceptance: the host's draws of each step, along each tree's spine as `SyntheticAcceptance.verify_batch`).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
-from .batch_verify import chain_accept_len, chain_verdict, path_verdict, verify_batch
+from .batch_verify import chain_accept_len, chain_verdict, path_verdict, tree_accepted
 from .eagle3_proposer import DraftState
 from .shapes import Shape
 from .synthetic import chain_drawn, spine_path
@@ -73,6 +73,9 @@ class SpecLoop:
         self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
         dev, max_bs = draft.ids.device, draft.live.shape[0]
         most = max((s.num_nodes for s in self.shapes), default=1)
+        # trees may come with synthetic draws (their graphs then walk spines); chains take draws whenever they come
+        # (start-up calibration's chains accepting none or all)
+        self.synthetic = proposer.synthetic is not None
         # [2, B] synthetic draws: drafts to accept (-1: verify) and the depth of a tree's detour (-1: none)
         self.want = torch.full((2, max_bs), -1, dtype=torch.long, device=dev)
         self.result = torch.zeros(max_bs, most + 3, dtype=torch.long, device=dev)  # [B, N + 3] for the host
@@ -106,7 +109,7 @@ class SpecLoop:
         if bits is None:
             verdict = self._verify_chains(tokens, logits.view(bs, n, -1))
         else:
-            on_path, final = self._verify(tokens, parents, logits.view(bs, n, -1))
+            on_path, final = self._verify(tokens, parents, bits, logits.view(bs, n, -1))
             verdict = path_verdict(tokens, on_path, final)
             self._move_kv(bs, slot_pos, verdict.path)
         self._advance(bs, n, verdict, aux, bits is None)
@@ -133,21 +136,18 @@ class SpecLoop:
         return (torch.cat([root, drafts], 1), torch.cat([first - 1, parents], 1), torch.cat([first, depths], 1),
                 self.proposer.backend.tree_bitmask(mask))
 
-    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor
+    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tensor, logits: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification of trees tokens, parents [bs, n] against logits [bs, n, vocab] (rows with a
-        synthetic draw accept along their spine): the accepted nodes [bs, n] and the target's token after the
-        last of them [bs]."""
+        """Greedy verification of trees tokens, parents, ancestor bits [bs, n] against logits [bs, n, vocab] (with
+        synthetic acceptance, rows with a draw accept along their spine): the accepted nodes [bs, n] and the
+        target's token after the last of them [bs]."""
         bs, n = tokens.shape
-        nodes = torch.arange(n, device=tokens.device)
         argmax = logits.argmax(-1)  # [bs, n]
-        path = verify_batch(tokens, parents, logits, torch.ones(bs, dtype=torch.bool, device=tokens.device),
-                            argmax=argmax).path  # [bs, n] accepted nodes, then -1
-        greedy = torch.zeros(bs, n + 1, dtype=torch.bool, device=tokens.device)
-        greedy = greedy.scatter_(1, torch.where(path >= 0, path, n), True)[:, :n]
-        want, detour = self.want[0, :bs], self.want[1, :bs]
-        on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], greedy)
-        last = torch.where(on_path, nodes, 0).amax(1)  # [bs] a path's nodes increase
+        on_path = tree_accepted(tokens, parents, bits, argmax)  # [bs, n]
+        if self.synthetic:
+            want, detour = self.want[0, :bs], self.want[1, :bs]
+            on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], on_path)
+        last = torch.where(on_path, self.draft.const.arange(n), 0).amax(1)  # [bs] a path's nodes increase
         return on_path, argmax.gather(1, last[:, None]).squeeze(1)
 
     def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor):
@@ -163,7 +163,7 @@ class SpecLoop:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
         copy); everything else copies the scratch slot onto itself."""
         d = self.draft
-        nodes = torch.arange(path.shape[1], device=path.device)
+        nodes = d.const.arange(path.shape[1])
         moves = (path >= 0) & (path != nodes) & d.live[:bs, None]  # [bs, n]
         ends = d.ends[:bs, None]
         src = d._slots(bs, ends + path.clamp(min=0), moves)  # [bs * n]
@@ -236,6 +236,7 @@ class SpecLoop:
     def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
         bs = next(b for b in self.sizes[shape] if b >= len(seqs))
         if draws is not None:
+            assert self.synthetic or shape.topk == 1, "a tree's draws need a loop captured with synthetic acceptance"
             self.want[:, :len(draws)].copy_(to_device(draws, torch.long, self.want.device).T)
         elif self._drawn:
             self.want.fill_(-1)
