@@ -317,7 +317,8 @@ class GraphRunner:
 
     def mixed_outputs(self, step: StepInputs, logits: torch.Tensor, aux: torch.Tensor | None, hidden: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
-        """A mixed graph's outputs cut to the step: its logits rows, aux rows and (ids, positions, slots). A step
+        """A mixed graph's outputs cut to the step: its logits rows, aux rows and `StepTensors`' fields (ids,
+        positions, slots, whether the graph stored the prompt chunks' draft pairs). A step
         sampling more rows than the graph computes logits for (the chains a speculative step verifies beside a
         prompt) takes them from the graph's hidden states [tokens, H], eagerly: two launches."""
         n, rows = len(step.ids), len(step.logit_index)
