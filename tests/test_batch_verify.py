@@ -7,6 +7,7 @@ import random
 import torch
 
 from specserve import SamplingParams
+from specserve.speculative.batch_verify import ancestor_bits as ancestor_bits_device
 from specserve.speculative.batch_verify import (
     draw_verify_random,
     path_verdict,
@@ -205,3 +206,26 @@ def test_tree_accepted_is_the_greedy_walk():
             assert torch.equal(a, w)
         accepted += int(walk.accept_len.sum())
     assert accepted > 100
+
+
+def test_ancestor_bits_by_pointer_doubling():
+    """`ancestor_bits` (on the device, log2 N rounds) equals the host walk up each node's parents, trees of 1-64
+    nodes (bit 63 included)."""
+    rng = random.Random(5)
+    for n in (1, 2, 3, 8, 17, 64):
+        parents = torch.tensor([random_parents(rng, n) for _ in range(6)])
+        assert torch.equal(ancestor_bits_device(parents), ancestor_bits(parents))
+
+
+def test_greedy_trees_skip_the_walk_in_verify_batch_params():
+    """All-greedy (and seeded) batches of trees verify through `verify_greedy_trees`: the walk's verdicts."""
+    rng = random.Random(9)
+    torch.manual_seed(9)
+    for _ in range(30):
+        b, n = rng.randint(1, 8), rng.randint(2, 10)
+        logits = torch.randn(b, n, 4) * 3
+        tokens, parents = random_batch(rng, logits.softmax(-1))
+        fast = verify_batch_params(tokens, parents, logits, [SamplingParams(temperature=0)] * b, [None] * b)
+        walk = verify_batch(tokens, parents, logits, torch.ones(b, dtype=torch.bool))
+        for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
+            assert torch.equal(a, w)

@@ -83,6 +83,19 @@ def node_depths(parents: torch.Tensor) -> torch.Tensor:
     return depth
 
 
+def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N] int64 of trees parents [B, N] (-1 at the root, at most 64 nodes): bit j of node i set when node j is
+    i or an ancestor of it (what `tree_bitmask` gives of the tree's attention mask), by pointer doubling."""
+    n = parents.shape[1]
+    bits = torch.ones_like(parents) << torch.arange(n, device=parents.device)  # [B, N] each node itself
+    up = parents  # [B, N] the ancestor 2^k levels up (-1: past the root)
+    for _ in range(max(0, n - 1).bit_length()):
+        above = up >= 0
+        bits = bits | torch.where(above, bits.gather(1, up.clamp(min=0)), 0)
+        up = torch.where(above, up.gather(1, up.clamp(min=0)), -1)
+    return bits
+
+
 def seeded_targets(logits: torch.Tensor, params: Sequence[SamplingParams], positions: torch.Tensor,
                    depths: torch.Tensor) -> torch.Tensor:
     """[S, N] the seeded sample after each node of S seeded rows: logits [S, N, V], params [S] (seeded),
@@ -193,6 +206,23 @@ def tree_accepted(tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tenso
     return (bits & ~accepted_bits) == 0
 
 
+def path_end(on_path: torch.Tensor, argmax: torch.Tensor, nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B] the target's token after the last accepted node of on_path [B, N] (a path's nodes increase), from
+    argmax [B, N]; nodes: arange(N) on their device, when the caller has it made."""
+    nodes = torch.arange(on_path.shape[1], device=on_path.device) if nodes is None else nodes  # [N]
+    last = torch.where(on_path, nodes, 0).amax(1)  # [B]
+    return argmax.gather(1, last[:, None]).squeeze(1)
+
+
+def verify_greedy_trees(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                        argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
+    """`verify_batch` for trees of greedy rows, without walking the nodes (`tree_accepted`); argmax [B, N] as
+    `verify_batch`'s."""
+    argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
+    on_path = tree_accepted(tokens, parents, ancestor_bits(parents), argmax)
+    return path_verdict(tokens, on_path, path_end(on_path, argmax))
+
+
 def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
                          argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
@@ -209,7 +239,8 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: `default`, the engine's
     generator; both None: the global RNG).
     Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
-    chains: every tree is a chain (batches without unseeded sampling rows then skip the walk).
+    Batches without unseeded sampling rows skip the walk (`verify_greedy_chains`, `verify_greedy_trees`);
+    chains: every tree is a chain.
     positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
     its generator is then unused)."""
     b, n, v = logits.shape
@@ -230,9 +261,9 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
             greedy_rows[i] = True
     if all(greedy_rows) and chains:
         return verify_greedy_chains(tokens, logits, argmax)
-    greedy = to_device(greedy_rows, torch.bool, logits.device)
     if all(greedy_rows):
-        return verify_batch(tokens, parents, logits, greedy, argmax=argmax)
+        return verify_greedy_trees(tokens, parents, logits, argmax)
+    greedy = to_device(greedy_rows, torch.bool, logits.device)
     uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device, default)
     sampled = [_GREEDY if g else p for p, g in zip(params, greedy_rows)]  # seeded rows need no probs
     return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, sampled), uniforms, noise, argmax)

@@ -28,7 +28,7 @@ from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
-from .batch_verify import chain_accept_len, chain_verdict, path_verdict, tree_accepted
+from .batch_verify import chain_accept_len, chain_verdict, path_end, path_verdict, tree_accepted
 from .eagle3_proposer import DraftState
 from .shapes import Shape
 from .synthetic import chain_drawn, spine_path
@@ -147,8 +147,7 @@ class SpecLoop:
         if self.synthetic:
             want, detour = self.want[0, :bs], self.want[1, :bs]
             on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], on_path)
-        last = torch.where(on_path, self.draft.const.arange(n), 0).amax(1)  # [bs] a path's nodes increase
-        return on_path, argmax.gather(1, last[:, None]).squeeze(1)
+        return on_path, path_end(on_path, argmax, self.draft.const.arange(n))
 
     def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor):
         """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
