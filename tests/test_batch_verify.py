@@ -15,6 +15,7 @@ from specserve.speculative.batch_verify import (
     tree_accepted,
     verify_batch,
     verify_batch_params,
+    verify_chains,
     verify_greedy_chains,
 )
 from specserve.speculative.tree import DraftTree
@@ -229,3 +230,39 @@ def test_greedy_trees_skip_the_walk_in_verify_batch_params():
         walk = verify_batch(tokens, parents, logits, torch.ones(b, dtype=torch.bool))
         for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
             assert torch.equal(a, w)
+
+
+def test_chains_with_sampling_rows_skip_the_walk():
+    """`verify_chains` (what `verify_batch_params` takes for chains with sampling rows) gives the walk's verdict
+    from the same random numbers, greedy, filtered sampling and zero-probability drafts mixed in each batch; and
+    `verify_batch_params(chains=True)` matches the per-request reference fed the same generators."""
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    accepted = rejected = 0
+    for trial in range(60):
+        b, n = rng.randint(1, 12), rng.randint(2, 7)
+        logits = torch.randn(b, n, VOCAB) * 2.5  # [B, N, V]
+        logits[:, :, :3] = -float("inf")  # tokens the target never says, drafted now and then
+        params = [rng.choice(PARAMS) for _ in range(b)]
+        probs = sampling_probs(logits, params)
+        parents = torch.arange(-1, n - 1).expand(b, n)
+        tokens = torch.randint(VOCAB, (b, n))
+        for r in range(b):
+            for i in range(1, n):
+                if rng.random() < 0.7:
+                    tokens[r, i] = int(torch.multinomial(probs[r, i - 1], 1))
+        greedy_rows = [p.greedy for p in params]
+        greedy = torch.tensor(greedy_rows)
+        uniforms, noise = draw_verify_random(n, VOCAB, [None] * b, greedy_rows, "cpu")
+        fast = verify_chains(tokens, logits, greedy, probs, uniforms, noise)
+        walk = verify_batch(tokens, parents, logits, greedy, probs, uniforms, noise)
+        for a, w in zip((fast.accept_len, fast.path, fast.out_tokens), (walk.accept_len, walk.path, walk.out_tokens)):
+            assert torch.equal(a, w)
+        accepted += int(walk.accept_len.sum())
+        rejected += int((walk.accept_len < n - 1).sum())
+        seeds = [rng.randrange(1 << 30) for _ in range(b)]
+        out = verify_batch_params(tokens, parents, logits, params, [torch.Generator().manual_seed(s) for s in seeds],
+                                  chains=True)
+        for r, tree in enumerate(trees(tokens, parents)):
+            assert_same(out, r, verify(tree, logits[r], params[r], torch.Generator().manual_seed(seeds[r])))
+    assert accepted > 100 and rejected > 50

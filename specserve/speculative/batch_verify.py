@@ -174,13 +174,15 @@ def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tenso
     return BatchVerdict(accept_len, path, out_tokens)
 
 
-def chain_verdict(tokens: torch.Tensor, argmax: torch.Tensor, accept_len: torch.Tensor) -> BatchVerdict:
+def chain_verdict(tokens: torch.Tensor, argmax: torch.Tensor, accept_len: torch.Tensor,
+                  final: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`path_verdict` for chains tokens [B, N] (node i's parent is i - 1) whose first accept_len [B] drafts
-    are accepted, followed by the target's token argmax [B, N] after the last of them, without sorting."""
+    are accepted, followed by the target's token argmax [B, N] after the last of them (or final [B] when
+    given), without sorting."""
     b, n = tokens.shape
     cols = torch.arange(n, device=tokens.device).expand(b, n)  # [B, N]
     last = accept_len[:, None]  # [B, 1]
-    final = argmax.gather(1, last)  # [B, 1]
+    final = argmax.gather(1, last) if final is None else final[:, None]  # [B, 1]
     path = torch.where(cols <= last, cols, -1)
     out_tokens = torch.where(cols < last, tokens.roll(-1, 1), torch.where(cols == last, final, -1))
     return BatchVerdict(accept_len, path, out_tokens)
@@ -223,6 +225,28 @@ def verify_greedy_trees(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
     return path_verdict(tokens, on_path, path_end(on_path, argmax))
 
 
+def verify_chains(tokens: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, probs: torch.Tensor,
+                  uniforms: torch.Tensor, noise: torch.Tensor, argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
+    """`verify_batch` for chains (node i's parent is i - 1), same arguments but the parents, without the walk:
+    draft i is accepted when every draft before it is and uniforms[b, i - 1] < p(draft i | node i - 1) (greedy
+    rows: when it is the argmax after node i - 1); a sampling row's final token is drawn with noise from the
+    target's distribution after its last accepted node less the draft rejected there. The same random numbers
+    give the walk's verdict."""
+    b, n = tokens.shape
+    v = probs.shape[-1]
+    argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
+    drafts = tokens[:, 1:]  # [B, N - 1]
+    target_p = probs[:, :-1].gather(2, drafts[:, :, None]).squeeze(2).double()  # [B, N - 1] p(draft | parent)
+    accepted = torch.where(greedy[:, None], drafts == argmax[:, :-1], uniforms[:, :-1].double() < target_p)
+    accept_len = accepted.long().cumprod(1).sum(1)  # [B]
+    rejected = torch.where(accept_len + 1 < n, tokens.gather(1, (accept_len + 1).clamp(max=n - 1)[:, None]).squeeze(1),
+                           v)  # [B] the draft tested and rejected after the last accepted node (v: none)
+    hit = torch.zeros(b, v + 1, dtype=torch.bool, device=tokens.device).scatter_(1, rejected[:, None], True)
+    residual = probs[torch.arange(b, device=tokens.device), accept_len].masked_fill(hit[:, :v], 0)  # [B, V]
+    final = torch.where(greedy, argmax.gather(1, accept_len[:, None]).squeeze(1), (residual / noise).argmax(-1))
+    return chain_verdict(tokens, argmax, accept_len, final)
+
+
 def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
                          argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
@@ -239,8 +263,8 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: `default`, the engine's
     generator; both None: the global RNG).
     Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
-    Batches without unseeded sampling rows skip the walk (`verify_greedy_chains`, `verify_greedy_trees`);
-    chains: every tree is a chain.
+    chains: every tree is a chain. Chains and batches without unseeded sampling rows skip the walk
+    (`verify_chains`, `verify_greedy_chains`, `verify_greedy_trees`).
     positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
     its generator is then unused)."""
     b, n, v = logits.shape
@@ -259,14 +283,16 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
                                      to_device(positions, torch.long, dev)[idx], depths)
         for i in seeded:
             greedy_rows[i] = True
-    if all(greedy_rows) and chains:
-        return verify_greedy_chains(tokens, logits, argmax)
     if all(greedy_rows):
-        return verify_greedy_trees(tokens, parents, logits, argmax)
+        return verify_greedy_chains(tokens, logits, argmax) if chains else verify_greedy_trees(tokens, parents, logits,
+                                                                                               argmax)
     greedy = to_device(greedy_rows, torch.bool, logits.device)
     uniforms, noise = draw_verify_random(n, v, generators, greedy_rows, logits.device, default)
     sampled = [_GREEDY if g else p for p, g in zip(params, greedy_rows)]  # seeded rows need no probs
-    return verify_batch(tokens, parents, logits, greedy, sampling_probs(logits, sampled), uniforms, noise, argmax)
+    probs = sampling_probs(logits, sampled)
+    if chains:
+        return verify_chains(tokens, logits, greedy, probs, uniforms, noise, argmax)
+    return verify_batch(tokens, parents, logits, greedy, probs, uniforms, noise, argmax)
 
 
 def verify_drafts(trees: Sequence[DraftTree], logits: torch.Tensor, params: Sequence[SamplingParams],
