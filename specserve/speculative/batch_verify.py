@@ -262,8 +262,8 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
                         default: Optional[torch.Generator] = None) -> BatchVerdict:
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: `default`, the engine's
     generator; both None: the global RNG).
-    Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`.
-    chains: every tree is a chain. Chains and batches without unseeded sampling rows skip the walk
+    Draws the random numbers, filters the logits of all rows in one call, and verifies as `verify_batch` does;
+    chains (every tree is a chain) and batches without unseeded sampling rows without its walk
     (`verify_chains`, `verify_greedy_chains`, `verify_greedy_trees`).
     positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
     its generator is then unused)."""
