@@ -89,3 +89,19 @@ def test_space_clean_up_keeps_the_tokenizers_own_decode():
     assert stream_backend(tok) is None
     prompt, out = [2], [3, 6, 4]
     assert emitted(tok, prompt, out)[0] == continuation(tok, prompt, out)
+
+
+def test_a_broken_stream_starts_afresh(shipped):
+    """DecodeStream's state can break ("Invalid prefix encountered"); the detokenizer then decodes on with a new one."""
+    detok = IncrementalDetokenizer(shipped, [5])
+
+    class Broken:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered while decoding")
+
+    detok._stream = Broken()
+    ids = shipped.encode(" hello", add_special_tokens=False)
+    assert "".join(detok.add(t) for t in ids) == shipped.decode(ids, skip_special_tokens=True)
+    detok._stream = type("Other", (), {"step": lambda self, tok, i: 1 / 0})()
+    with pytest.raises(ZeroDivisionError):  # any other error is not swallowed
+        detok.add(ids[0])
