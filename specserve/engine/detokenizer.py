@@ -34,18 +34,17 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int] | None = None, window: int = 6):
+        tail = list(prompt_ids[-window:]) if prompt_ids else []  # the prompt's last tokens: context
         self.tokenizer = tokenizer
-        self.ids: list[int] = list(prompt_ids[-window:]) if prompt_ids else []
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
         self.text = ""
         self._backend = stream_backend(tokenizer)
-        self._stream = None
-        if self._backend is not None:
-            self._stream = DecodeStream(skip_special_tokens=True)
-            for token_id in self.ids:  # the prompt's tail: context, its text not emitted
+        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        # the window path's state: ids re-decoded from prefix_offset, text emitted up to read_offset
+        self.ids: list[int] = [] if self._stream is not None else tail
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
+        if self._stream is not None:
+            for token_id in tail:  # their text is not emitted
                 self._step(token_id)
-            self.ids = []
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
