@@ -92,6 +92,27 @@ def test_sampling_matches_reference_fed_the_same_random_numbers():
     assert accepted > 100, "drafts must be accepted for the comparison to mean anything"
 
 
+def test_sampling_deep_trees_with_repeated_siblings_match_the_reference_walk():
+    """Trees of up to 24 nodes over 6 tokens (siblings repeat tokens, fans of up to 8 children, deep paths):
+    `verify_batch` decides every node at once; the per-request walk fed the same random numbers agrees."""
+    rng = random.Random(6)
+    torch.manual_seed(6)
+    accepted = wide = 0
+    for trial in range(80):
+        b, n = rng.randint(1, 8), rng.randint(2, 24)
+        probs = (torch.randn(b, n, 6) * 1.5).softmax(-1)  # [B, N, 6]
+        tokens, parents = random_batch(rng, probs)
+        seeds = [7000 * trial + r for r in range(b)]
+        uniforms, noise = draw_verify_random(n, 6, [torch.Generator().manual_seed(s) for s in seeds], [False] * b,
+                                             "cpu")
+        out = verify_batch(tokens, parents, probs.log(), torch.zeros(b, dtype=torch.bool), probs, uniforms, noise)
+        for r, tree in enumerate(trees(tokens, parents)):
+            assert_same(out, r, verify_sampling(tree, probs[r], torch.Generator().manual_seed(seeds[r])))
+        accepted += int(out.accept_len.sum())
+        wide += int((torch.stack([torch.bincount(row[1:], minlength=n) for row in parents]) >= 3).sum())
+    assert accepted > 200 and wide > 50, "deep paths and wide fans must occur for the comparison to mean anything"
+
+
 def test_mixed_greedy_and_filtered_sampling_rows_match_verify():
     rng = random.Random(2)
     torch.manual_seed(2)
@@ -140,6 +161,28 @@ def test_worked_examples():
     assert out.path.tolist() == [[0, 2, 5, -1, -1, -1]] and out.out_tokens.tolist() == [[2, 6, 0, -1, -1, -1]]
 
 
+def test_worked_example_third_sibling_and_its_child():
+    #        root(9)
+    #     /    |    \
+    #  n1:1  n2:2  n3:3      p after root: 0.5 / 0.3 / 0.15 (0.05 on token 5)
+    #                |
+    #              n4:4      p after n3: 0.5 (0.5 on token 6); after n4: token 7 surely
+    tokens, parents = torch.tensor([[9, 1, 2, 3, 4]]), torch.tensor([[-1, 0, 0, 0, 3]])
+    probs = torch.zeros(1, 5, 8)
+    probs[0, 0, 1:4], probs[0, 0, 5] = torch.tensor([0.5, 0.3, 0.15]), 0.05
+    probs[0, 3, 4], probs[0, 3, 6] = 0.5, 0.5
+    probs[0, 4, 7] = 1.0
+    uniforms = torch.tensor([[0.9, 0.9, 0.7, 0.4, 0.0]])
+    out = verify_batch(tokens, parents, probs.log(), torch.tensor([False]), probs, uniforms, torch.ones(1, 8))
+    # test 0: n1 rejected (0.9 >= 0.5); test 1: n2 rejected (0.9 >= 0.3 / 0.5); test 2: n3 accepted
+    # (0.7 < 0.15 / 0.2, the mass left after both); test 3: n4 accepted (0.4 < 0.5); then token 7
+    assert out.path.tolist() == [[0, 3, 4, -1, -1]]
+    assert out.out_tokens.tolist() == [[3, 4, 7, -1, -1]]
+    uniforms[0, 3] = 0.6  # n4 rejected: recovered from what is left after n3 without token 4: token 6
+    out = verify_batch(tokens, parents, probs.log(), torch.tensor([False]), probs, uniforms, torch.ones(1, 8))
+    assert out.path.tolist() == [[0, 3, -1, -1, -1]] and out.out_tokens.tolist() == [[3, 6, -1, -1, -1]]
+
+
 def test_emitted_tokens_follow_the_target_distribution():
     # root with three children (1, 2, 3), n1 with children 4 and 1: the drafts hold most of the mass
     b, v = 20000, 6
@@ -159,7 +202,7 @@ def test_emitted_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(torch.bincount(second, minlength=v), n1_p) > 1e-3
 
 
-def test_greedy_chains_without_the_walk():
+def test_greedy_chains_are_verify_batch():
     gen = torch.Generator().manual_seed(7)
     for n in (2, 4, 6):
         b = 16
@@ -185,10 +228,10 @@ def ancestor_bits(parents: torch.Tensor) -> torch.Tensor:
     return bits
 
 
-def test_tree_accepted_is_the_greedy_walk():
-    """The walk-free greedy verification of trees (`tree_accepted`, the speculative loop's) accepts the nodes
-    `verify_batch` walks to, on random trees whose sibling drafts sometimes repeat a token (the first sibling
-    then wins), and the verdict built from them is the walk's."""
+def test_tree_accepted_is_verify_batch_on_greedy_rows():
+    """The greedy verification of trees (`tree_accepted`, the speculative loop's) accepts the nodes
+    `verify_batch` accepts, on random trees whose sibling drafts sometimes repeat a token (the first sibling
+    then wins), and the verdict built from them is `verify_batch`'s."""
     rng = random.Random(3)
     torch.manual_seed(3)
     accepted = 0
@@ -218,8 +261,8 @@ def test_ancestor_bits_by_pointer_doubling():
         assert torch.equal(ancestor_bits_device(parents), ancestor_bits(parents))
 
 
-def test_greedy_trees_skip_the_walk_in_verify_batch_params():
-    """All-greedy (and seeded) batches of trees verify through `verify_greedy_trees`: the walk's verdicts."""
+def test_greedy_trees_in_verify_batch_params():
+    """All-greedy (and seeded) batches of trees verify through `verify_greedy_trees`: `verify_batch`'s verdicts."""
     rng = random.Random(9)
     torch.manual_seed(9)
     for _ in range(30):
@@ -232,8 +275,8 @@ def test_greedy_trees_skip_the_walk_in_verify_batch_params():
             assert torch.equal(a, w)
 
 
-def test_chains_with_sampling_rows_skip_the_walk():
-    """`verify_chains` (what `verify_batch_params` takes for chains with sampling rows) gives the walk's verdict
+def test_chains_with_sampling_rows_are_verify_batch():
+    """`verify_chains` (what `verify_batch_params` takes for chains with sampling rows) gives `verify_batch`'s verdict
     from the same random numbers, greedy, filtered sampling and zero-probability drafts mixed in each batch; and
     `verify_batch_params(chains=True)` matches the per-request reference fed the same generators."""
     rng = random.Random(4)

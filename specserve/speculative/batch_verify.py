@@ -4,8 +4,9 @@ The per-request functions in verify.py are the reference: for the same draft tre
 distributions and random numbers these return the same paths and tokens, bit for bit. Every tree of
 a batch has the same number of nodes N (node 0 the root, a parent before its children), but shapes
 may differ per row. Nothing here reads a value back to the host and nothing loops over the batch in
-Python: the walk is one pass over the node index 1..N-1, since the children of a node always come
-after it and are tested in node order.
+Python. The reference walks each tree from the root, testing a node's children in node order until one
+is accepted; here every node's test is decided at once, as the walk would decide it if it got there
+(`verify_batch`), and the accepted nodes are read from the trees' ancestor bitmasks.
 
 Sampling rows follow `verify_sampling` exactly, including its float64 acceptance arithmetic. Greedy
 rows take the argmax of the raw logits and need no random numbers.
@@ -115,13 +116,20 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
     Greedy rows accept the child whose token is the argmax of `logits` (as `verify_greedy`).
     Sampling rows need probs [B, N, V] (the target's sampling distribution, see `sampling_probs`),
     uniforms [B, N] and noise [B, V] (see `draw_verify_random`), and verify as `verify_sampling`:
-    the d-th child test of the walk uses uniforms[b, d]. probs may be None only if every row is greedy;
+    the d-th child test of its walk uses uniforms[b, d]. probs may be None only if every row is greedy;
     greedy rows ignore their probs, uniforms and noise. argmax [B, N]: the token a greedy row takes
     after each node, when not the argmax of `logits` (seeded rows pass their seeded samples).
+
+    Without the walk: every node's test is decided at once, as the walk would decide it if it got there
+    (its parent accepted, its earlier siblings rejected): p(token | parent) over the mass the earlier
+    siblings left (subtracted one by one in sibling order, as the walk does), against the uniform of the
+    walk's test index there (one test per earlier sibling of the node and of each of its ancestors, and one
+    per ancestor below the root). A node is accepted when it and every ancestor pass and no earlier sibling
+    of theirs does (`accepted_nodes`); the last accepted node's children were all tested and rejected.
     """
     b, n = tokens.shape
     dev = tokens.device
-    rows = torch.arange(b, device=dev)
+    cols = torch.arange(n, device=dev)  # [N]
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
     par = parents.clamp(min=0)  # [B, N]
     child_p = (tokens == argmax.gather(1, par)).double()  # [B, N] greedy: p(child) is one-hot
@@ -131,33 +139,38 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
         target_p = probs.reshape(b, n * v).gather(1, par * v + tokens).double()  # [B, N] p(token | parent)
         child_p = torch.where(greedy[:, None], child_p, target_p)
         u = torch.where(greedy[:, None], u, uniforms.double())
-
-    node = torch.zeros(b, dtype=torch.long, device=dev)  # [B] current node of the walk
-    remaining = torch.ones(b, dtype=torch.float64, device=dev)  # [B] mass left after rejected siblings
-    draws = torch.zeros(b, 1, dtype=torch.long, device=dev)  # [B, 1] child tests so far (< N)
-    on_path = torch.zeros(b, n, dtype=torch.bool, device=dev)  # [B, N]
-    on_path[:, 0] = True
-    rejected = torch.zeros(b, n, dtype=torch.bool, device=dev)  # [B, N] rejected children of `node`
-    for j in range(1, n):
-        test = parents[:, j] == node  # [B]
-        p = torch.where(remaining > 0, child_p[:, j] / remaining, 0.0)
-        accept = test & (u.gather(1, draws).squeeze(1) < p)
-        reject = test & ~accept
-        draws += test[:, None]
-        on_path[:, j] = accept
-        node = torch.where(accept, j, node)
-        remaining = torch.where(accept, 1.0, torch.where(reject, remaining - child_p[:, j], remaining))
-        rejected &= ~accept[:, None]
-        rejected[:, j] = reject
-
-    final = argmax[rows, node]  # [B] greedy: recovered or bonus token
+    earlier = earlier_siblings(parents)  # [B, N, N]
+    rank = earlier.sum(2)  # [B, N] earlier siblings
+    before = torch.where(earlier, cols, -1).amax(2)  # [B, N] the sibling just before (-1: none)
+    first_child, before = before < 0, before.clamp(min=0)
+    left = torch.ones(b, n, dtype=torch.float64, device=dev)  # [B, N] mass left when the node is tested
+    for _ in range(n - 2):  # after k rounds, exact for the first k + 1 siblings
+        left = torch.where(first_child, 1.0, (left - child_p).gather(1, before))
+    p = torch.where(left > 0, child_p / left, 0.0)
+    bits = ancestor_bits(parents)  # [B, N]
+    above = ((bits.gather(1, par)[:, :, None] >> cols) & 1).bool() & (cols > 0)  # [B, N, N] (j, w): w above j
+    tests = (above * (rank + 1)[:, None, :]).sum(2) + rank  # [B, N] the walk's test index at each node
+    passed = (u.gather(1, tests) < p) | (parents < 0)  # [B, N]
+    on_path = accepted_nodes(passed, earlier, bits)
+    last = torch.where(on_path, cols, 0).amax(1)  # [B]
+    final = argmax.gather(1, last[:, None]).squeeze(1)  # [B] greedy: recovered or bonus token
     if probs is not None:
+        rows = torch.arange(b, device=dev)
         hit = torch.zeros(b, v + 1, dtype=torch.bool, device=dev)  # [B, V + 1] column V: not rejected
-        hit.scatter_(1, torch.where(rejected, tokens, v), True)
-        residual = probs[rows, node].masked_fill(hit[:, :v], 0)  # [B, V]
+        hit.scatter_(1, torch.where(parents == last[:, None], tokens, v), True)  # the last node's children
+        residual = probs[rows, last].masked_fill(hit[:, :v], 0)  # [B, V]
         final = torch.where(greedy, final, (residual / noise).argmax(-1))
-
     return path_verdict(tokens, on_path, final)
+
+
+def accepted_nodes(passed: torch.Tensor, earlier: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: the nodes that pass (passed [B, N], the root included), the first to pass of their
+    siblings (earlier [B, N, N]: (j, i) when i is an earlier sibling of j), with every ancestor too (bits
+    [B, N]: `ancestor_bits`)."""
+    cols = torch.arange(passed.shape[1], device=passed.device)  # [N]
+    shadowed = (earlier & passed[:, None, :]).any(2)  # [B, N] an earlier sibling passed
+    chosen = ((passed & ~shadowed).long() << cols).sum(1, keepdim=True)  # [B, 1] distinct bits: their OR
+    return (bits & ~chosen) == 0
 
 
 def path_verdict(tokens: torch.Tensor, on_path: torch.Tensor, final: torch.Tensor) -> BatchVerdict:
@@ -195,17 +208,18 @@ def chain_accept_len(tokens: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor
 
 def tree_accepted(tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tensor, argmax: torch.Tensor
                   ) -> torch.Tensor:
-    """The nodes [B, N] bool of trees tokens, parents [B, N] (-1 at the root) that `verify_batch`'s greedy walk
-    accepts after the target's argmax [B, N], without walking: a node whose token is the argmax after its
-    parent, the first such of its siblings, with every ancestor accepted too, read from bits [B, N] (each
-    node's ancestor bitmask, bit j: node j is it or an ancestor; `tree_bitmask`'s, at most 64 nodes)."""
-    n = tokens.shape[1]
-    cols = torch.arange(n, device=tokens.device)  # [N]
+    """The nodes [B, N] bool of trees tokens, parents [B, N] (-1 at the root) that `verify_batch` accepts for
+    greedy rows after the target's argmax [B, N]: a node whose token is the argmax after its parent, the
+    first such of its siblings, with every ancestor accepted too, read from bits [B, N] (each node's ancestor
+    bitmask, bit j: node j is it or an ancestor; `tree_bitmask`'s, at most 64 nodes)."""
     match = (tokens == argmax.gather(1, parents.clamp(min=0))) | (parents < 0)  # [B, N]
-    siblings = parents[:, :, None] == parents[:, None, :]  # [B, N, N] (j, i): same parent
-    shadowed = (siblings & (cols[None, :] < cols[:, None]) & match[:, None, :]).any(2)  # an earlier sibling matched
-    accepted_bits = ((match & ~shadowed).long() << cols).sum(1, keepdim=True)  # [B, 1] distinct bits: their OR
-    return (bits & ~accepted_bits) == 0
+    return accepted_nodes(match, earlier_siblings(parents), bits)
+
+
+def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """[B, N, N] bool of trees parents [B, N]: (j, i) when node i is an earlier sibling of node j."""
+    cols = torch.arange(parents.shape[1], device=parents.device)  # [N]
+    return (parents[:, :, None] == parents[:, None, :]) & (cols[None, :] < cols[:, None])
 
 
 def path_end(on_path: torch.Tensor, argmax: torch.Tensor, nodes: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -218,8 +232,8 @@ def path_end(on_path: torch.Tensor, argmax: torch.Tensor, nodes: Optional[torch.
 
 def verify_greedy_trees(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
                         argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
-    """`verify_batch` for trees of greedy rows, without walking the nodes (`tree_accepted`); argmax [B, N] as
-    `verify_batch`'s."""
+    """`verify_batch` for trees of greedy rows, in fewer operations (`tree_accepted`: no sampling arithmetic);
+    argmax [B, N] as `verify_batch`'s."""
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
     on_path = tree_accepted(tokens, parents, ancestor_bits(parents), argmax)
     return path_verdict(tokens, on_path, path_end(on_path, argmax))
@@ -227,11 +241,11 @@ def verify_greedy_trees(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
 
 def verify_chains(tokens: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, probs: torch.Tensor,
                   uniforms: torch.Tensor, noise: torch.Tensor, argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
-    """`verify_batch` for chains (node i's parent is i - 1), same arguments but the parents, without the walk:
+    """`verify_batch` for chains (node i's parent is i - 1), same arguments but the parents, in fewer operations:
     draft i is accepted when every draft before it is and uniforms[b, i - 1] < p(draft i | node i - 1) (greedy
     rows: when it is the argmax after node i - 1); a sampling row's final token is drawn with noise from the
     target's distribution after its last accepted node less the draft rejected there. The same random numbers
-    give the walk's verdict."""
+    give `verify_batch`'s verdict."""
     b, n = tokens.shape
     v = probs.shape[-1]
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
@@ -249,7 +263,7 @@ def verify_chains(tokens: torch.Tensor, logits: torch.Tensor, greedy: torch.Tens
 
 def verify_greedy_chains(tokens: torch.Tensor, logits: torch.Tensor,
                          argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
-    """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, without walking the nodes:
+    """`verify_batch` for chains (node i's parent is i - 1) of greedy rows, in fewer operations:
     the accepted drafts are the leading ones that equal the target's argmax after their parent (or
     argmax [B, N] when given, as in `verify_batch`)."""
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
@@ -262,8 +276,8 @@ def verify_batch_params(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
                         default: Optional[torch.Generator] = None) -> BatchVerdict:
     """`verify` for a batch: row b verified with params[b] and generators[b] (None: `default`, the engine's
     generator; both None: the global RNG).
-    Draws the random numbers, filters the logits of all rows in one call, and verifies as `verify_batch` does;
-    chains (every tree is a chain) and batches without unseeded sampling rows without its walk
+    Draws the random numbers, filters the logits of all rows in one call, and calls `verify_batch`, or for
+    chains (every tree is a chain) and batches without unseeded sampling rows its cheaper special cases
     (`verify_chains`, `verify_greedy_chains`, `verify_greedy_trees`).
     positions [B]: per row the sequence index of the token after the root (needed when a row is seeded;
     its generator is then unused)."""
