@@ -34,8 +34,17 @@ def step_of(ids: list[list[int]], starts: list[int], samples: list[bool]) -> Ste
                       list(range(len(ids))))
 
 
+def ancestors(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: node i sees node j when j is i or an ancestor of i (`DraftTree.ancestor_mask`)."""
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i in range(1, len(parents)):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
 def eager(model, step: StepInputs, cache: torch.Tensor, group: int, dev: torch.device):
-    meta = build_triton_metadata(step.q_lens, step.seq_lens, step.block_tables, PAGE, dev, group, kv_cache=cache)
+    trees = step.trees if any(t is not None for t in step.trees) else None
+    meta = build_triton_metadata(step.q_lens, step.seq_lens, step.block_tables, PAGE, dev, group, trees, cache)
     ids = torch.tensor(step.ids, device=dev)
     hidden, aux = model(ids, torch.tensor(step.positions, device=dev), meta, AUX)
     return model.compute_logits(hidden[torch.tensor(step.logit_index, dtype=torch.long, device=dev)]).float(), \
@@ -69,7 +78,11 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
         eager(model, step_of([tokens(20), tokens(9), tokens(10)], [0, 0, 0], [True, True, False]), cache, group, dev)
         verify = step_of([tokens(4), tokens(1), tokens(12)], [20, 9, 10], [True, True, False])
         verify.logit_index = [0, 1, 2, 3, 4]  # the first row verifies a chain of 3 drafts: its 4 tokens sample,
+        tree = step_of([tokens(1), tokens(6), tokens(12)], [20, 9, 10], [True, True, False])
+        tree.logit_index = [0, 1, 2, 3, 4, 5, 6]  # the second row verifies a tree of 6 nodes, every node sampling
+        tree.trees = [None, ancestors([-1, 0, 0, 1, 1, 2]), None]
         steps = [verify,  # 17 tokens: graph 32; 5 logits rows where the graph computes 4 (max_bs)
+                 tree,  # 19 tokens: graph 32, a tree's rows masked by its ancestors beside a prompt chunk
                  step_of([tokens(1), tokens(1), tokens(28)], [20, 9, 10], [True, True, False]),  # 30 tokens: graph 32
                  step_of([tokens(1), tokens(1), tokens(40)], [21, 10, 38], [True, True, True])]  # 42: graph 64
         for step in steps:
@@ -85,8 +98,8 @@ def test_mixed_graph_runs_the_eager_step(tmp_path):
 
 
 def test_steps_a_mixed_graph_takes():
-    """A chain's verify rows (every token sampling) beside a prompt take a mixed graph; a tree, more rows than
-    the graphs hold or too many tokens run eagerly."""
+    """A chain's or a tree's verify rows (every token sampling) beside a prompt take a mixed graph; more rows
+    than the graphs hold or too many tokens run eagerly."""
     runner = GraphRunner.__new__(GraphRunner)
     runner.sizes, runner.mixed_tokens, runner.max_bs = {1: [1, 2, 4]}, (32, 64), 4
     assert runner.graph_for(step_of([[5], [6]], [3, 4], [True, True])) == (2, 1)  # decode: a uniform graph
@@ -99,8 +112,9 @@ def test_steps_a_mixed_graph_takes():
     drafted.logit_index = [0, 1, 2, 3, 4]  # 5 logits rows: more than the 4 the graph computes (taken after it)
     assert runner.graph_for(drafted) == (0, 32)
     tree = step_of([[5], [6] * 10], [3, 0], [True, True])
-    tree.trees = [None, torch.ones(10, 10, dtype=torch.bool)]
-    assert runner.graph_for(tree) is None
+    tree.trees = [None, ancestors([-1, 0, 0, 1, 1, 2, 3, 3, 4, 5])]
+    tree.logit_index = list(range(11))
+    assert runner.graph_for(tree) == (0, 32)
     assert runner.graph_for(step_of([[5]] * 5, [1] * 5, [True] * 5)) is None  # more rows than the graphs hold
 
 
@@ -122,16 +136,20 @@ def test_mixed_graph_replays_the_eager_step(tmp_path):
     with torch.inference_mode():
         eager(model, step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in (20, 9, 10)], [0, 0, 0],
                              [True, True, False]), cache, group, dev)
-        for starts, sizes in (([20, 9, 10], (4, 1, 12)), ([20, 9, 10], (1, 1, 28)), ([21, 10, 38], (1, 1, 40))):
+        for starts, sizes in (([20, 9, 10], (4, 1, 12)), ([20, 9, 10], (1, 6, 12)), ([20, 9, 10], (1, 1, 28)),
+                              ([21, 10, 38], (1, 1, 40))):
             step = step_of([torch.randint(2, 200, (n,), generator=g).tolist() for n in sizes], starts,
                            [True, True, True])
             if sizes[0] == 4:  # the first row verifies a chain: 6 logits rows where the graph computes 4
                 step.logit_index = [0, 1, 2, 3, 4, 16]
+            if sizes[1] == 6:  # the second row verifies a tree of 6 nodes beside a prompt chunk
+                step.logit_index = [0, 1, 2, 3, 4, 5, 6, 18]
+                step.trees = [None, ancestors([-1, 0, 0, 1, 1, 2]), None]
             want_logits, want_aux = eager(model, step, cache, group, dev)
             logits, aux, _ = runner.replay(runner.graph_for(step), step)
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
-    assert runner.mixed_replays == 3
+    assert runner.mixed_replays == 4
 
 
 def test_cuda_graph_max_tokens_is_checked():

@@ -8,8 +8,9 @@ that no block owns and attend to nothing. Inputs are copied into static buffers 
 
 Mixed graphs, one per token count of MIXED_TOKENS (key (0, tokens)), take the steps with prompt chunks: rows
 of any query lengths packed one after another, causal within each row (prompt chunks, decode tokens and the
-chains a speculative step verifies beside a prompt; no trees; logits rows past max_bs from the graph's hidden
-states, `mixed_outputs`), replayed from the smallest token count that holds the step; the attention backend's
+chains a speculative step verifies beside a prompt) or masked by a verified tree's ancestors (its rows' tree
+bits and lengths set with the step); logits rows past max_bs from the graph's hidden states, `mixed_outputs`;
+replayed from the smallest token count that holds the step; the attention backend's
 tiles over the rows are refilled before each replay (`AttentionBackend.mixed_tiles`). Eagerly, such a step
 costs one host launch per kernel, which on a small model is most of the step (session 38: on the H200 the
 shipped pair's speculative steps that took a prompt ran eagerly at ~6.6 ms, and chain-3 read 0.49x plain at
@@ -252,7 +253,7 @@ class GraphRunner:
 
     def _mixed_for(self, step: StepInputs) -> tuple[int, int] | None:
         fits = [t for t in self.mixed_tokens if t >= len(step.ids)]
-        if not fits or len(step.q_lens) > self.max_bs or any(t is not None for t in step.trees):
+        if not fits or len(step.q_lens) > self.max_bs:
             return None
         return 0, fits[0]
 
@@ -300,7 +301,8 @@ class GraphRunner:
         pairs = chunk_pair_slots(step, slots, self.scratch_slot) if self.follow is not None else []
         longs = to_device(step.ids + step.positions + slots + pairs + logit_rows, torch.long,
                           self.device)  # [3n (+ n) + rows]
-        ints = to_device([step.seq_lens, step.q_lens], torch.int32, self.device)  # [2, real]
+        tree_lens = [t.shape[1] if t is not None else 0 for t in step.trees]
+        ints = to_device([step.seq_lens, step.q_lens, tree_lens], torch.int32, self.device)  # [3, real]
         self.ids[:n].copy_(resolve_ids(longs[:n], pending))
         self.positions[:n].copy_(longs[n:2 * n])
         self.slots[:n].copy_(longs[2 * n:3 * n])
@@ -312,7 +314,9 @@ class GraphRunner:
         self.block_tables[:real, :tables.shape[1]].copy_(to_device(tables, torch.int32, self.device))
         self.seq_lens[:real].copy_(ints[0])
         self.mixed_q_lens[:real].copy_(ints[1])
-        self.tree_lens[:real].zero_()
+        self.tree_lens[:real].copy_(ints[2])
+        if any(tree_lens):  # verified trees' ancestor masks (other rows: causal)
+            self.tree_bits[:n].copy_(self.backend.tree_bits(step.trees, step.q_lens, self.device))
         self.mixed.fill(step.q_lens, tokens)
 
     def mixed_outputs(self, step: StepInputs, logits: torch.Tensor, aux: torch.Tensor | None, hidden: torch.Tensor
