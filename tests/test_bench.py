@@ -99,6 +99,27 @@ def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
             assert 0 < record["ttft"] <= record["latency"] and len(record["itl"]) <= 7
 
 
+def test_range_ratio_asks_each_prompt_its_own_length(tmp_path, server):
+    """With --max-tokens-range-ratio and --ignore-eos every request returns the length drawn for its prompt,
+    the same in every level; the lengths differ between prompts and stay inside the range."""
+    result = bench(tmp_path, server.url, "--concurrency", "2,4", "--requests-per-level", "8", "--max-tokens", "12",
+                   "--max-tokens-range-ratio", "0.25", "--warmup", "0", "--ignore-eos", "--seed", "5")
+    endpoint = Endpoint(server.url, "completions", MODEL, 12, range_ratio=0.25, seed=5)
+    seen = {}
+    for level in result["levels"]:
+        assert (level["completed"], level["failed"]) == (8, 0), level["errors"]
+        for record in level["requests"]:
+            assert record["output_tokens"] == endpoint.max_tokens_for(record["prompt_index"])
+            seen[record["prompt_index"]] = record["output_tokens"]
+    assert min(seen.values()) >= 3 and max(seen.values()) <= 12 and len(set(seen.values())) > 2
+    assert result["options"]["max_tokens_range_ratio"] == 0.25
+    fixed = Endpoint(server.url, "completions", MODEL, 12)
+    assert {fixed.max_tokens_for(i) for i in range(20)} == {12}
+    assert fixed.body(builtin()[0], 3)["max_tokens"] == 12
+    with pytest.raises(ValueError, match="max_tokens_range_ratio"):
+        SweepOptions(max_tokens_range_ratio=0.0)
+
+
 def test_bench_chat_counts_tokens_like_the_server(tmp_path, server):
     """Chat messages, no ignore_eos: the counts still equal a direct request's usage."""
     result = bench(tmp_path, server.url, "--endpoint", "chat", "--concurrency", "2", "--requests-per-level", "4",

@@ -9,6 +9,8 @@ request contributes no tokens.
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,18 +40,31 @@ class Endpoint:
     temperature: float = 0.0
     ignore_eos: bool = False
     api_key: Optional[str] = None
+    range_ratio: float = 1.0  # < 1: max_tokens per prompt, see `max_tokens_for`
+    seed: int = 0
+
+    def max_tokens_for(self, index: int) -> int:
+        """The output length the prompt of dataset index `index` asks for: max_tokens, or below range_ratio 1 a
+        length drawn uniformly from ceil(range_ratio x max_tokens)..max_tokens, seeded by (seed, index) so that
+        the prompt asks the same wherever it is sent."""
+        if self.range_ratio >= 1.0:
+            return self.max_tokens
+        low = max(1, math.ceil(self.range_ratio * self.max_tokens))
+        return random.Random(f"{self.seed}:{index}").randint(low, self.max_tokens)
 
     @property
     def url(self) -> str:
         return self.base_url.rstrip("/") + ENDPOINT_PATHS[self.kind]
 
-    def body(self, prompt: Prompt) -> dict:
+    def body(self, prompt: Prompt, index: int = 0) -> dict:
+        """The request for `prompt`, dataset index `index`."""
+        max_tokens = self.max_tokens_for(index)
         body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": self.temperature}
         if self.kind == "chat":
-            body.update(messages=prompt.chat_messages(), max_completion_tokens=self.max_tokens)
+            body.update(messages=prompt.chat_messages(), max_completion_tokens=max_tokens)
         else:
-            body.update(prompt=prompt.text, max_tokens=self.max_tokens)
+            body.update(prompt=prompt.text, max_tokens=max_tokens)
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM's and SGLang's extra field as well as specserve's
         return body
@@ -82,7 +97,7 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Pr
     result = RequestResult(index)
     start = time.perf_counter()
     try:
-        async with client.stream("POST", endpoint.url, json=endpoint.body(prompt),
+        async with client.stream("POST", endpoint.url, json=endpoint.body(prompt, index),
                                  headers=auth_headers(endpoint.api_key)) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {_error_message(await response.aread())}"

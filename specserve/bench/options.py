@@ -23,6 +23,8 @@ class SweepOptions:
     concurrency: tuple[int, ...] = (1, 2, 5, 10, 30, 70, 100, 250)
     requests_per_level: Union[int, Literal["auto"]] = 30  # "auto": max(8, 2C) at concurrency C
     max_tokens: int = 200
+    # < 1: each prompt asks for a length drawn from [ratio x max_tokens, max_tokens] (SGLang's --random-range-ratio)
+    max_tokens_range_ratio: float = 1.0
     warmup: int = 5
     dataset: str = "builtin"
     ignore_eos: bool = False
@@ -43,6 +45,8 @@ class SweepOptions:
             raise ValueError(f"requests_per_level must be an integer >= 1 or {AUTO!r}, got {self.requests_per_level!r}")
         if self.max_tokens < 1 or self.warmup < 0:
             raise ValueError("max_tokens must be >= 1, warmup >= 0")
+        if not 0.0 < self.max_tokens_range_ratio <= 1.0:
+            raise ValueError(f"max_tokens_range_ratio must be in (0, 1], got {self.max_tokens_range_ratio}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.request_rate is not None and self.request_rate <= 0:
@@ -109,6 +113,11 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
                    help=f"requests sent at each level; auto: max({AUTO_MIN_REQUESTS}, {AUTO_PER_SLOT} x concurrency) "
                         f"(default: {d.requests_per_level})")
     g.add_argument("--max-tokens", type=int, help=f"output tokens asked per request (default: {d.max_tokens})")
+    g.add_argument("--max-tokens-range-ratio", type=float, metavar="R",
+                   help="ask each prompt for a length drawn uniformly from R x max-tokens to max-tokens, the same for "
+                        "a prompt in every level, round and configuration (SGLang's --random-range-ratio; with "
+                        "--ignore-eos, requests then end at different steps instead of in lockstep) "
+                        f"(default: {d.max_tokens_range_ratio}: every request max-tokens)")
     g.add_argument("--warmup", type=int, help=f"unrecorded requests before the first level (default: {d.warmup})")
     g.add_argument("--dataset", help="builtin, random, sharegpt:FILE or jsonl:FILE (default: builtin)")
     g.add_argument("--ignore-eos", action="store_true", default=None, help="generate max-tokens every time")
@@ -116,7 +125,7 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
                    help="Poisson arrivals per second, capped at the level's concurrency (default: all at once)")
     g.add_argument("--temperature", type=float, help=f"(default: {d.temperature}: greedy)")
     g.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
-    g.add_argument("--seed", type=int, help=f"prompt order and arrival times (default: {d.seed})")
+    g.add_argument("--seed", type=int, help=f"prompt order, arrival times and drawn output lengths (default: {d.seed})")
     g.add_argument("--fresh-prompts", action="store_true", default=None,
                    help="each level (and round) sends the dataset's next prompts, none repeated until the dataset "
                         "runs out (no prefix-cache hits on repeated prompts); default: every level sends the first N")
