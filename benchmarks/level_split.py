@@ -19,7 +19,8 @@ come in waves of C prompts; a speculative engine's drift apart, and it pays more
 configuration), as requests of real workloads end at different lengths.
 `--host` adds, per kind of step, the host time per step inside the engine's main functions (scheduling,
 the runner's prepare and forward, graph replay and its input fill, sampling launch and resolve, the
-draft's observe and follow, the controller's choose and record_step), wrapped with a timer (no profiler).
+draft's observe, prompt pass, follow and flush, the controller's choose and record_step), wrapped with a
+timer (no profiler).
 """
 from __future__ import annotations
 
@@ -78,6 +79,8 @@ HOST_FUNCTIONS = {  # label: (module, class or None, function)
     "wait for tokens": ("specserve.engine.engine", "InFlight", "host_tokens"),
     "draft observe": ("specserve.speculative.eagle3_proposer", "Eagle3Proposer", "observe"),
     "draft follow": ("specserve.speculative.eagle3_follow", "DraftFollower", "before_step"),
+    "draft prompt pairs": ("specserve.speculative.eagle3_proposer", "Eagle3Proposer", "_store_prompt_pairs"),
+    "draft flush": ("specserve.speculative.decoder", "SpecDecoder", "flush"),
     "choose": ("specserve.speculative.decoder", "SpecDecoder", "choose"),
     "record_step": ("specserve.speculative.decoder", "SpecDecoder", "record_step"),
 }
