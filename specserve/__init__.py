@@ -9,6 +9,7 @@ import importlib
 _EXPORTS = {
     "LLM": ".llm",
     "SamplingParams": ".sampling_params",
+    "StructuredOutputsParams": ".sampling_params",
     "EngineConfig": ".config",
     "ConfigError": ".config",
     "RequestError": ".engine.engine",

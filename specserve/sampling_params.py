@@ -1,11 +1,61 @@
 """Per-request sampling options, shaped like vLLM's `SamplingParams`."""
 from __future__ import annotations
 
-import json
+import json as _json
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`); exactly one of:
+    - `json`: a JSON schema (a dict or its JSON text); properties it does not name are never generated;
+    - `json_object`: any JSON object;
+    - `regex`: a regular expression the whole output matches (xgrammar's dialect: no lookaround or
+      backreferences);
+    - `choice`: one of these strings, exactly;
+    - `grammar`: a context-free grammar in xgrammar's EBNF (GBNF: `root ::= ...`, string literals in double
+      quotes, character classes, `*` `+` `?`), whose `root` rule the output matches.
+    """
+
+    json: Optional[Union[dict, str]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    def validate(self, bad) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            bad(f"structured_outputs takes exactly one of {', '.join(KINDS)} (got {', '.join(given) or 'none'})")
+        if not isinstance(self.json_object, bool):
+            bad(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                bad(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            bad(f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    bad(f"structured_outputs.json is not valid JSON: {e}")
+            if not isinstance(schema, (dict, bool)):
+                bad(f"structured_outputs.json must be a JSON schema (an object), got {type(schema).__name__}")
+
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -31,9 +81,9 @@ class SamplingParams:
     - `min_tokens` (<= max_tokens): EOS and `stop_token_ids` cannot be sampled before that many output
       tokens.
 
-    Structured output (vLLM's guided decoding, through xgrammar: the `grammar` extra): `guided_json`, a
-    JSON schema (a dict or its JSON text), or `guided_json_object` (any JSON object): only tokens that keep
-    the output a prefix of a match can be sampled, and the request stops when the match is complete.
+    `structured_outputs` (`StructuredOutputsParams`, vLLM's; through xgrammar: the `grammar` extra) constrains
+    the output: only tokens that keep it a prefix of a match can be sampled, and the request stops when the
+    match is complete.
     """
 
     temperature: float = 1.0
@@ -51,8 +101,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
-    guided_json: Optional[Union[dict, str]] = None
-    guided_json_object: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,23 +153,13 @@ class SamplingParams:
         self._validate_guided(bad)
 
     def _validate_guided(self, bad) -> None:
-        if not isinstance(self.guided_json_object, bool):
-            bad(f"guided_json_object must be true or false, got {self.guided_json_object!r}")
-        if self.guided and self.min_tokens:
-            bad("min_tokens cannot be combined with guided decoding (the grammar may end sooner)")
-        if self.guided_json is None:
+        if self.structured_outputs is None:
             return
-        if self.guided_json_object:
-            bad("guided_json and guided_json_object exclude each other")
-        if isinstance(self.guided_json, str):
-            try:
-                schema = json.loads(self.guided_json)
-            except ValueError as e:
-                bad(f"guided_json is not valid JSON: {e}")
-        else:
-            schema = self.guided_json
-        if not isinstance(schema, (dict, bool)):
-            bad(f"guided_json must be a JSON schema (an object), got {type(schema).__name__}")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad(f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        self.structured_outputs.validate(bad)
+        if self.min_tokens:
+            bad("min_tokens cannot be combined with structured outputs (the grammar may end sooner)")
 
     @property
     def greedy(self) -> bool:
@@ -137,8 +176,8 @@ class SamplingParams:
 
     @property
     def guided(self) -> bool:
-        """Is the output constrained by a grammar (guided_json or guided_json_object)?"""
-        return self.guided_json is not None or self.guided_json_object
+        """Is the output constrained by a grammar (`structured_outputs`)?"""
+        return self.structured_outputs is not None
 
     @property
     def has_penalties(self) -> bool:

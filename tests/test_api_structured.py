@@ -2,8 +2,9 @@
 (EAGLE-3, speculation on every step), driven by the real `openai` client.
 
 JSON-schema-constrained outputs (`response_format` json_schema on chat, vLLM's `guided_json` on completions)
-parse and validate against their schema, and greedy and seeded ones are the tokens the in-process engine
-gives without speculation; json_object outputs are objects; tool_choice "required" returns a tool call of
+parse and validate against their schema, and regex-, choice- and grammar-constrained ones (vLLM's
+`structured_outputs` and `guided_*` fields) match theirs; greedy and seeded ones are the tokens the in-process
+engine gives without speculation; json_object outputs are objects; tool_choice "required" returns a tool call of
 one of the tools whose arguments validate, a named function a call to that function; unusable schemas and
 contradictory requests get 400 naming the problem.
 """
@@ -14,11 +15,11 @@ import random
 
 import pytest
 
-from specserve import SamplingParams
+from specserve import SamplingParams, StructuredOutputsParams
 from specserve.assets import default_model_path
 
 from .conftest import make_llm
-from .test_grammar import random_schema
+from .test_grammar import constraints, random_schema
 from .test_server import MODEL, chat_prompt_ids, metric, serving
 
 openai = pytest.importorskip("openai")
@@ -78,7 +79,8 @@ def test_json_schema_outputs_validate_and_equal_no_speculation(server, client, p
     accepted_before = metric(httpx.get(server.url + "/metrics").text, "specserve:spec_decode_num_accepted_tokens_total")
     finished = 0
     for endpoint, prompt, schema, temperature, seed in cases():
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS, guided_json=schema)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS,
+                                structured_outputs=StructuredOutputsParams(json=schema))
         if endpoint == "completions":
             r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=temperature,
                                           seed=seed, extra_body={"guided_json": schema})
@@ -99,6 +101,37 @@ def test_json_schema_outputs_validate_and_equal_no_speculation(server, client, p
     assert finished >= NUM_SCHEMAS - 1, "nearly all outputs complete within max_tokens"
     accepted = metric(httpx.get(server.url + "/metrics").text, "specserve:spec_decode_num_accepted_tokens_total")
     assert accepted - accepted_before > NUM_SCHEMAS, "the server speculated"
+
+
+def test_regex_choice_and_grammar_outputs_match_and_equal_no_speculation(client, plain):
+    """Every regex, choice and grammar of test_grammar, greedy and seeded, through vLLM's `structured_outputs`
+    (completions) and its older `guided_*` fields (chat); the last streamed too."""
+    cases = constraints()
+    finished = 0
+    for i, (constraint, check) in enumerate(cases):
+        temperature, seed = ((0.0, None), (1.0, 400 + i))[i % 2]
+        kind, value = constraint.kind, getattr(constraint, constraint.kind)
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=64, structured_outputs=constraint)
+        kw = dict(model=MODEL, max_tokens=64, temperature=temperature, seed=seed)
+        if i % 2 == 0:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            r = client.completions.create(prompt=prompt, extra_body={"structured_outputs": {kind: value}}, **kw)
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+            want = plain.generate([prompt], params)[0]
+        else:
+            messages = [{"role": "user", "content": f"Answer {i}."}]
+            r = client.chat.completions.create(messages=messages, extra_body={f"guided_{kind}": value}, **kw)
+            text, reason = r.choices[0].message.content, r.choices[0].finish_reason
+            want = plain.generate([chat_prompt_ids(plain, messages)], params)[0]
+            if i == len(cases) - 1:
+                chunks = client.chat.completions.create(messages=messages, extra_body={f"guided_{kind}": value},
+                                                        stream=True, **kw)
+                assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert (text, reason) == (want.text, want.finish_reason), (kind, value, temperature)
+        if reason == "stop":
+            finished += 1
+            assert check(text), (kind, value, text)
+    assert finished >= len(cases) - 1
 
 
 def test_json_object_is_an_object(client):
@@ -172,6 +205,21 @@ def test_a_named_function_is_called(client, name):
      "tool_choice", "'nope', which is not in tools"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "excludes response_format"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"},
+     "tool_choice", "excludes guided_regex"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(ab"}}, "structured_outputs.regex", "unusable regex"),
+    ("/v1/chat/completions", {"guided_grammar": "root ::= foo"}, "guided_grammar", "unusable grammar"),
+    ("/v1/completions", {"structured_outputs": {"grammar": 'start ::= "a"'}}, "structured_outputs.grammar", "root"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "exactly one of json, regex, choice, grammar, json_object (got regex, choice)"),
+    ("/v1/completions", {"structured_outputs": {}}, "structured_outputs", "(got none)"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, None,
+     "guided_regex and guided_choice exclude each other"),
+    ("/v1/completions", {"guided_choice": []}, "guided_choice", "at least 1"),
+    ("/v1/completions", {"guided_choice": ["a", ""]}, "guided_choice.1", "at least 1"),
+    ("/v1/completions", {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}},
+     "structured_outputs.whitespace_pattern", "not supported"),
+    ("/v1/completions", {"structured_outputs": {"json": "{not json}"}}, "structured_outputs.json", "not valid JSON"),
 ])
 def test_bad_structured_requests_are_400(server, path, extra, param, says):
     body = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "x"}

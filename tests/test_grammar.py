@@ -1,16 +1,17 @@
-"""Structured output (issue 20): outputs constrained by random small JSON schemas parse and validate, and
-with speculation (chains and trees) they are the tokens plain decoding gives, greedy and seeded; the
-tree masks are the masks a fresh matcher gives after each node's path, and drafts never reach the
-committed matcher."""
+"""Structured output (issue 20): outputs constrained by random small JSON schemas, regexes, choices and EBNF
+grammars match them (checked by jsonschema, Python's re and a parser), and with speculation (chains and trees)
+they are the tokens plain decoding gives, greedy and seeded; the tree masks are the masks a fresh matcher gives
+after each node's path, and drafts never reach the committed matcher."""
 from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 import torch
 
-from specserve import SamplingParams
+from specserve import SamplingParams, StructuredOutputsParams
 from specserve.assets import default_draft_path, default_model_path
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.layers.grammar import Grammar, unpack
@@ -47,19 +48,55 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
 
 PROMPTS = ["def load(path):\n    return", "# settings\nCONFIG = ", "import json\n\n", "class A:\n    x = ",
            "print(", "data = json.loads('"]
-NUM = 100
+NUM = 100  # JSON schemas; the regexes, choices and grammars below come on top
+
+# (regex, the same in Python's dialect)
+REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)", r"[a-z]{1,8}@[a-z]{1,6}\.(com|org)", r"\d{4}-\d{2}-\d{2}",
+           r"(def|class) [a-z_]{1,10}\((x|y)?\):", r"0x[0-9a-f]{1,6}", r"[A-Z][a-z]{0,6}( [a-z]{1,5}){0,3}\."]
+CHOICES = [["red", "green", "blue"], ["True", "False"], ["import os", "import sys", "pass"],
+           ['say "hi"', "back\\slash", "tab\there", "caf\u00e9"]]
+# (grammar, its language's check): key=value pairs, and nested lists of digits at most two long
+PAIRS = (r"""root ::= pair ("," pair)? ("," pair)?
+pair ::= key "=" value
+key ::= [a-z] [a-z]? [a-z]?
+value ::= [0-9] [0-9]? | "true" | "false"
+""", lambda text: re.fullmatch(r"[a-z]{1,3}=([0-9]{1,2}|true|false)(,[a-z]{1,3}=([0-9]{1,2}|true|false)){0,2}",
+                               text) is not None)
+LISTS = ("""root ::= "[" items? "]"
+items ::= item ("," item)?
+item ::= [0-9] | "[" items? "]"
+""", lambda text: _short_lists(json.loads(text)))
+
+
+def _short_lists(value) -> bool:
+    return isinstance(value, list) and len(value) <= 2 and all(
+        isinstance(v, int) and 0 <= v <= 9 or _short_lists(v) for v in value)
+
+
+def constraints() -> list[tuple[StructuredOutputsParams, object]]:
+    """(constraint, a check of a complete output) for every regex, choice and grammar."""
+    out = [(StructuredOutputsParams(regex=r), lambda t, r=r: re.fullmatch(r, t) is not None) for r in REGEXES]
+    out += [(StructuredOutputsParams(choice=c), lambda t, c=c: t in c) for c in CHOICES]
+    return out + [(StructuredOutputsParams(grammar=g), check) for g, check in (PAIRS, LISTS)]
 
 
 @pytest.fixture(scope="module")
 def cases():
+    """(prompt, check of a complete output, params): JSON schemas, then the other constraints twice (greedy and
+    seeded)."""
     rng = random.Random(0)
     out = []
     for i in range(NUM):
         schema = random_schema(rng)
         temp, seed = ((0.0, None), (1.0, 100 + i))[i % 2]
         guided = json.dumps(schema) if i % 3 == 0 else schema  # the JSON text or the dict
-        out.append((PROMPTS[i % len(PROMPTS)], schema,
-                    SamplingParams(temperature=temp, seed=seed, max_tokens=160, guided_json=guided)))
+        out.append((PROMPTS[i % len(PROMPTS)], lambda t, schema=schema: jsonschema.validate(json.loads(t), schema)
+                    is None, SamplingParams(temperature=temp, seed=seed, max_tokens=160,
+                                            structured_outputs=StructuredOutputsParams(json=guided))))
+    for i, (constraint, check) in enumerate(constraints() * 2):
+        temp, seed = ((0.0, None), (1.0, 300 + i))[i % 2]
+        out.append((PROMPTS[i % len(PROMPTS)], check, SamplingParams(temperature=temp, seed=seed, max_tokens=64,
+                                                                     structured_outputs=constraint)))
     return out
 
 
@@ -73,13 +110,16 @@ def test_outputs_parse_and_validate(cases):
     llm = make_llm(default_model_path(), speculative_algorithm="none", disable_overlap_schedule=True)
     outs = llm.generate([p for p, _, _ in cases], [s for _, _, s in cases])
     finished = 0
-    for out, (_, schema, _) in zip(outs, cases):
+    for out, (_, check, params) in zip(outs, cases):
         if out.finish_reason == "length":
             continue
         finished += 1
-        jsonschema.validate(json.loads(out.text), schema)
-    assert finished >= NUM * 0.9, "most outputs must complete within max_tokens"
-    obj = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=160, guided_json_object=True))
+        assert check(out.text), (params.structured_outputs, out.text)
+    assert finished >= len(cases) * 0.9, "most outputs must complete within max_tokens"
+    kinds = {params.structured_outputs.kind for (_, _, params), out in zip(cases, outs) if out.finish_reason == "stop"}
+    assert kinds == {"json", "regex", "choice", "grammar"}
+    obj = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=160,
+                                                   structured_outputs=StructuredOutputsParams(json_object=True)))
     assert all(isinstance(json.loads(o.text), dict) for o in obj if o.finish_reason == "stop")
 
 
@@ -112,7 +152,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
 
 
 def grammar(tokenizer) -> Grammar:
-    return Grammar(SamplingParams(guided_json=SCHEMA), tokenizer, [0])
+    return Grammar(SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)), tokenizer, [0])
 
 
 def mask_after(tokenizer, tokens: list[int]) -> torch.Tensor:
@@ -169,15 +209,33 @@ def test_the_pending_token_is_taken_and_rolled_back(tokenizer):
     assert allowed[1, text[4]] and not allowed[0, text[4]] or allowed[0, text[3]]
 
 
-def test_bad_requests_are_refused(tokenizer, tmp_path):
+BAD = [(dict(json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}), "structured_outputs.json"),
+       (dict(regex="(ab"), "structured_outputs.regex: .*parenthesis"),
+       (dict(grammar="root ::= foo"), "structured_outputs.grammar: .*foo"),
+       (dict(grammar='start ::= "a"'), "structured_outputs.grammar: .*root")]
+
+
+@pytest.mark.parametrize("spec, says", BAD, ids=["schema", "regex", "grammar", "no-root"])
+def test_unusable_constraints_are_refused(tokenizer, spec, says):
     detok = IncrementalDetokenizer(tokenizer, [1])
-    with pytest.raises(ValueError, match="guided_json"):
-        Grammar(SamplingParams(guided_json={"type": "object", "properties": {"a": {"$ref": "#/nope"}}}),
-                detok.tokenizer, [0])
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=says):
+        Grammar(params, detok.tokenizer, [0])
+
+
+def test_bad_requests_are_refused():
     llm = make_llm(default_model_path(), speculative_algorithm="none")
-    with pytest.raises(ValueError, match="invalid sampling parameter"):
-        llm.engine.add_request([5, 6], SamplingParams(guided_json={"type": "object", "properties": {
-            "a": {"$ref": "#/nope"}}}))
+    for spec, _ in BAD:
+        with pytest.raises(ValueError, match="invalid sampling parameter"):
+            llm.engine.add_request([5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="min_tokens"):
-        SamplingParams(guided_json_object=True, min_tokens=1)
+        SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True), min_tokens=1)
+    for spec, says in [({}, "exactly one of .*got none"), (dict(regex="a", choice=["a"]), "got regex, choice"),
+                       (dict(choice=[]), "choice must be a list of non-empty strings"),
+                       (dict(choice=["a", ""]), "non-empty strings"), (dict(regex=""), "regex must be a non-empty"),
+                       (dict(json="{nope"), "json is not valid JSON"), (dict(json=[1]), "JSON schema \\(an object\\)")]:
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})

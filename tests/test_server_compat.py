@@ -171,9 +171,10 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"guided_regex": "a+"}, "guided_regex"), ({"use_beam_search": True}, "use_beam_search"),
-    ({"use_beam_search": 0}, "use_beam_search"), ({"functions": []}, "functions"),
-    ({"guided_choice": ["a", "b"]}, "guided_choice"), ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
+    ({"use_beam_search": True}, "use_beam_search"), ({"use_beam_search": 0}, "use_beam_search"),
+    ({"functions": []}, "functions"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
 ])

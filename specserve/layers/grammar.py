@@ -48,21 +48,19 @@ def _compiler(tokenizer):
 
 
 class Grammar:
-    """A request's matcher. guided_json is compiled with compact whitespace (", " and ": " separators) and
-    xgrammar's strict mode (no properties or items the schema does not name); guided_json_object accepts
-    any JSON object. stop_ids: the tokens that end the request (EOS), which the grammar allows once complete."""
+    """A request's matcher, compiled from its `StructuredOutputsParams`: a JSON schema with compact whitespace
+    (", " and ": " separators) and xgrammar's strict mode (no properties or items the schema does not name);
+    any JSON object; a regex; a choice among strings (a grammar of their alternatives); an EBNF grammar.
+    stop_ids: the tokens that end the request (EOS), which the grammar allows once complete."""
 
     def __init__(self, params, tokenizer, stop_ids: Sequence[int]):
         xgr = _xgrammar()
         _, compiler, self.width = _compiler(tokenizer)
+        spec = params.structured_outputs
         try:
-            if params.guided_json_object:
-                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            else:
-                schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
-                compiled = compiler.compile_json_schema(schema, any_whitespace=False)
-        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for schemas it cannot use
-            raise ValueError(f"invalid sampling parameter: guided_json: {e}") from e
+            compiled = _compile(compiler, spec)
+        except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError for what it cannot use
+            raise ValueError(f"invalid sampling parameter: structured_outputs.{spec.kind}: {e}") from e
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids) or None)
 
     def accept(self, token: int) -> bool:
@@ -100,6 +98,21 @@ class Grammar:
                     self.matcher.rollback(1)
 
         visit(0)
+
+
+def _compile(compiler, spec):
+    kind = spec.kind
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "json":
+        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+        return compiler.compile_json_schema(schema, any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(spec.regex)
+    if kind == "choice":  # EBNF string literals take JSON's escapes
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
+                                                                  for c in spec.choice))
+    return compiler.compile_grammar(spec.grammar)
 
 
 def make_grammar(params, detokenizer, stop_ids: Sequence[int]) -> Optional[Grammar]:

@@ -126,7 +126,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompt_ids = render_prompt(engine.tokenizer, req, frame.prefix if frame else "")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs,
-                             {"guided_json": frame.schema} if frame else None)
+                             {"json": frame.schema} if frame else None)
     await check_grammar(engine.tokenizer, params, guided_param(req))
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,

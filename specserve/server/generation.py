@@ -17,7 +17,7 @@ from starlette.background import BackgroundTask
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import RequestError, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request, from_validation_error, server_error, unavailable
 from .formatting import SSE_DONE, Formatter, response, sse, usage
 from .protocol import SamplingRequest, unknown_fields
@@ -68,12 +68,12 @@ def as_api_error(exc: BaseException) -> APIError:
 
 def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[int], prompt_param: str,
                     max_tokens: Optional[int], default_max_tokens: Optional[int],
-                    logprobs: Optional[int], guided: Optional[dict] = None) -> SamplingParams:
+                    logprobs: Optional[int], structured: Optional[dict] = None) -> SamplingParams:
     """Check the prompt, the stop token ids and logit_bias's token ids against the vocabulary, the output
     length against max_model_len; build the request's SamplingParams.
 
-    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left. `guided`:
-    the structured-output arguments (default: the request's response_format / guided_json).
+    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left. `structured`:
+    StructuredOutputsParams' arguments (default: the request's own constraint, `structured_options`).
     """
     core = engine.engine
     try:
@@ -91,8 +91,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     if (req.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
     options = req.sampling_options(max_tokens, logprobs)
-    options.update(req.guided_options() if guided is None else guided)
+    structured = req.structured_options() if structured is None else structured
     try:
+        if structured is not None:
+            options["structured_outputs"] = StructuredOutputsParams(**structured)
         return SamplingParams(**options)
     except ValueError as e:
         raise bad_request(str(e)) from None

@@ -3,12 +3,12 @@
 Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON
 Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
 refuse them under --strict-request-fields. Known options that would change the output but that specserve
-does not implement are accepted only at their neutral value (no beam search, no regex or grammar guided
-decoding, `best_of` 1, ...), which is all their schema allows, and refused otherwise with a message naming
-the field, never silently ignored.
-Structured output (server/structured.py): `response_format` json_object / json_schema (OpenAI's) and
-`guided_json` (vLLM's, a schema or its JSON text) on both endpoints; `tool_choice` "required" or a named
-function on chat.
+does not implement are accepted only at their neutral value (no beam search, `best_of` 1, ...), which is
+all their schema allows, and refused otherwise with a message naming the field, never silently ignored.
+Structured output (server/structured.py), one constraint a request, on both endpoints: `response_format`
+json_object / json_schema (OpenAI's); vLLM's `structured_outputs` {json | regex | choice | grammar |
+json_object}, and its older `guided_json` (a schema or its JSON text), `guided_regex`, `guided_choice`,
+`guided_grammar`; and on chat `tool_choice` "required" or a named function.
 `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and `min_tokens` are extra sampling
 fields, as in vLLM; `n` choices are n requests of the same prompt. Stop strings must not be empty:
 `"stop": ""` and `"stop": [""]` are both refused.
@@ -83,11 +83,9 @@ class StreamOptions(_Strict):
 UNSUPPORTED = {
     "best_of": (1, "only best_of 1 is supported: the server does not rank choices (use n)"),
     "use_beam_search": (False, "beam search is not supported"),
-    "guided_regex": (None, "guided_regex is not supported: use guided_json or response_format"),
-    "guided_choice": (None, "guided_choice is not supported: use guided_json (an enum) or response_format"),
-    "guided_grammar": (None, "guided_grammar is not supported: use guided_json or response_format"),
-    "structured_outputs": (None, "structured_outputs is not supported: use guided_json or response_format"),
     "echo": (False, "echo is not supported"),
+    "whitespace_pattern": (None, "whitespace_pattern is not supported: JSON is generated with compact whitespace"),
+    "structural_tag": (None, "structural_tag is not supported: use tools and tool_choice"),
     "suffix": (None, "suffix is not supported"),
     "functions": (None, "functions is not supported: use tools"),
     "function_call": (None, "function_call is not supported: use tools and tool_choice"),
@@ -145,41 +143,86 @@ class ResponseFormat(_Strict):
         return self
 
 
-NO_JSON_FORMAT = {"properties": {"response_format": {"anyOf": [{"type": "null"},
-                                                              {"properties": {"type": {"const": "text"}}}]}}}
-# guided_json excludes a JSON response_format, in the schema's words
-GUIDED_JSON_ALONE = {"if": {"required": ["guided_json"], "properties": {"guided_json": {"not": {"type": "null"}}}},
-                     "then": NO_JSON_FORMAT}
-# tool_choice "required" or a named function needs tools, and excludes the other constraints
-FORCED_CALL_NEEDS_TOOLS = {
-    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
-                                                                                 {"type": "object"}]}}},
-    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1},
-                                                   "guided_json": {"type": "null"}, **NO_JSON_FORMAT["properties"]}},
-}
 JsonObjectText = Annotated[str, Field(pattern=r"^\s*\{[\s\S]*\}\s*$")]
 GuidedJson = Annotated[Union[dict[str, Any], JsonObjectText],
-                      Field(description="vLLM's: the JSON schema the output must match, or its JSON text (one the "
-                                        "grammar compiler cannot use gets 400)")]
+                      Field(description="the JSON schema the output must match, or its JSON text (one the grammar "
+                                        "compiler cannot use gets 400)")]
+NonEmpty = Annotated[str, Field(min_length=1)]
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def _schema_text(v):
-    """guided_json given as JSON text must hold an object (a schema)."""
+def _schema_text(v, name: str):
+    """A schema given as JSON text must hold an object (a schema)."""
     if isinstance(v, str):
         try:
             schema = json.loads(v)
         except ValueError as e:
-            raise ValueError(f"guided_json is not valid JSON: {e}") from None
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
-            raise ValueError("guided_json must be a JSON schema (an object)")
+            raise ValueError(f"{name} must be a JSON schema (an object)")
         return schema
     return v
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint. Its whitespace and structural-tag options are
+    not implemented (refused unless null)."""
+
+    json_schema: Optional[GuidedJson] = Field(None, alias="json")
+    regex: Optional[NonEmpty] = Field(None, description="a regular expression the whole output matches "
+                                                        "(no lookaround or backreferences)")
+    choice: Optional[Choices] = Field(None, description="the output is exactly one of these strings")
+    grammar: Optional[NonEmpty] = Field(None, description="an EBNF grammar (xgrammar's GBNF) with a root rule")
+    json_object: Optional[bool] = Field(None, description="true: any JSON object")
+    whitespace_pattern: None = None
+    structural_tag: None = None
+
+    _unsupported = field_validator("whitespace_pattern", "structural_tag", mode="before")(_neutral_only)
+
+    @field_validator("json_schema", mode="after")
+    @classmethod
+    def _schema(cls, v):
+        return _schema_text(v, "json")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = self.given()
+        if len(given) != 1:
+            raise ValueError(f"takes exactly one of {', '.join(CONSTRAINTS)} (got {', '.join(given) or 'none'})")
+        return self
+
+    def given(self) -> list[str]:
+        values = (self.json_schema, self.regex, self.choice, self.grammar, self.json_object or None)
+        return [name for name, value in zip(CONSTRAINTS, values) if value is not None]
+
+    def options(self) -> dict[str, Any]:
+        """StructuredOutputsParams' keyword arguments."""
+        kind = self.given()[0]
+        return {"json": self.json_schema} if kind == "json" else {kind: getattr(self, kind)}
+
+
+# one constraint a request, in the schema's words: no two of these fields set (a response_format of type text
+# sets none)
+_SET = {f: {"not": {"type": "null"}} for f in GUIDED + ("structured_outputs",)}
+_SET["response_format"] = {"type": "object", "properties": {"type": {"enum": ["json_object", "json_schema"]}}}
+ONE_CONSTRAINT = {"not": {"anyOf": [{"required": [a, b], "properties": {a: _SET[a], b: _SET[b]}}
+                                    for i, a in enumerate(_SET) for b in list(_SET)[i + 1:]]}}
+NO_CONSTRAINT = {f: {"type": "null"} for f in GUIDED + ("structured_outputs",)}
+NO_CONSTRAINT["response_format"] = {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}
+# tool_choice "required" or a named function needs tools, and excludes the other constraints
+FORCED_CALL_NEEDS_TOOLS = {
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
+                                                                                 {"type": "object"}]}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}, **NO_CONSTRAINT}},
+}
 
 
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, GUIDED_JSON_ALONE]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT]})
 
     model: Optional[str] = None
     stream: bool = False
@@ -205,25 +248,31 @@ class SamplingRequest(_Strict):
                                                                "completions)"), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[Literal[False]] = None
     response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[GuidedJson] = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
-    structured_outputs: None = None
+    guided_regex: Optional[NonEmpty] = None
+    guided_choice: Optional[Choices] = None
+    guided_grammar: Optional[NonEmpty] = None
 
     _unsupported = field_validator(*UNSUPPORTED, mode="before", check_fields=False)(_neutral_only)
 
     @field_validator("guided_json", mode="after")
     @classmethod
     def _guided_json_schema(cls, v):
-        return _schema_text(v)
+        return _schema_text(v, "guided_json")
 
     @model_validator(mode="after")
-    def _one_format(self):
-        if self.guided_json is not None and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise ValueError("guided_json and response_format exclude each other: send one")
+    def _one_constraint(self):
+        given = self.constraints()
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} exclude each other: send one")
         return self
+
+    def constraints(self) -> list[str]:
+        """The structured-output fields set (a response_format of type text is none)."""
+        fmt = self.response_format
+        given = ["response_format"] if fmt is not None and fmt.type != "text" else []
+        return given + [f for f in GUIDED + ("structured_outputs",) if getattr(self, f) is not None]
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -250,16 +299,19 @@ class SamplingRequest(_Strict):
     def num_choices(self) -> int:
         return self.n or 1
 
-    def guided_options(self) -> dict[str, Any]:
-        """SamplingParams' structured-output arguments for response_format / guided_json (none for text)."""
+    def structured_options(self) -> Optional[dict[str, Any]]:
+        """StructuredOutputsParams' keyword arguments for this request's constraint (None: none)."""
         fmt = self.response_format
-        if self.guided_json is not None:
-            return {"guided_json": self.guided_json}
+        if self.structured_outputs is not None:
+            return self.structured_outputs.options()
+        for name in GUIDED:
+            if getattr(self, name) is not None:
+                return {name.removeprefix("guided_"): getattr(self, name)}
         if fmt is not None and fmt.type == "json_object":
-            return {"guided_json_object": True}
+            return {"json_object": True}
         if fmt is not None and fmt.type == "json_schema":
-            return {"guided_json": fmt.json_schema.json_schema}
-        return {}
+            return {"json": fmt.json_schema.json_schema}
+        return None
 
     def sampling_options(self, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
         """SamplingParams' keyword arguments for this request (`logit_bias` with int keys)."""
@@ -351,7 +403,7 @@ class NamedToolChoice(_Strict):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, GUIDED_JSON_ALONE,
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT,
                                                            FORCED_CALL_NEEDS_TOOLS]})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

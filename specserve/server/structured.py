@@ -1,15 +1,17 @@
-"""Structured output on the server: OpenAI's `response_format` and `tool_choice`, vLLM's `guided_json`, onto
-the engine's grammar (`SamplingParams.guided_json` / `guided_json_object`, layers/grammar.py).
+"""Structured output on the server: OpenAI's `response_format` and `tool_choice`, vLLM's `structured_outputs`
+and `guided_*` fields, onto the engine's grammar (`SamplingParams.structured_outputs`, layers/grammar.py).
 
 - `response_format` {"type": "json_object"}: any JSON object; {"type": "json_schema", "json_schema":
-  {"schema": S}}: a match of S; {"type": "text"}: no constraint. `guided_json` S (or its JSON text): as
-  json_schema. Both endpoints.
+  {"schema": S}}: a match of S; {"type": "text"}: no constraint. Both endpoints.
+- `structured_outputs` {"json": S} (or its JSON text), {"regex": R}, {"choice": [...]}, {"grammar": EBNF},
+  {"json_object": true}; `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` the same (vLLM
+  before 0.12). Both endpoints.
 - `tool_choice` "required" or {"type": "function", "function": {"name": X}} (chat): the output is
   constrained to a tool call and comes back as `tool_calls` with finish_reason "tool_calls"
   (`forced_tool_call`).
 
-A schema is compiled before the request is submitted, so one the grammar compiler cannot use gets a 400
-naming the problem rather than a failed stream.
+A constraint is compiled before the request is submitted, so one the grammar compiler cannot use (a schema,
+a regex, a grammar) gets a 400 naming the problem rather than a failed stream.
 """
 from __future__ import annotations
 
@@ -60,8 +62,8 @@ def forced_tool_call(req: ChatCompletionRequest) -> Optional[ForcedToolCall]:
     what = "'required'" if choice == "required" else f"naming function {choice.function.name!r}"
     if not req.tools:
         raise bad_request(f"tool_choice {what} needs tools", "tool_choice")
-    if req.guided_options():
-        raise bad_request(f"tool_choice {what} excludes response_format json and guided_json", "tool_choice")
+    if req.constraints():
+        raise bad_request(f"tool_choice {what} excludes {req.constraints()[0]}", "tool_choice")
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
                   "required": ["name", "arguments"]} for t in req.tools]
@@ -88,19 +90,25 @@ async def check_grammar(tokenizer, params: SamplingParams, param: Optional[str])
         raise bad_request("structured output needs a model folder with a tokenizer", param)
     from ..layers.grammar import Grammar
 
+    kind = params.structured_outputs.kind
     try:
         await asyncio.to_thread(Grammar, params, tokenizer, [])
     except ValueError as e:
-        message = _LOG_PREFIX.sub("", str(e).removeprefix("invalid sampling parameter: guided_json: ")).strip()
-        raise bad_request(f"unusable JSON schema: {message}", param) from None
+        message = _LOG_PREFIX.sub("", str(e).removeprefix(f"invalid sampling parameter: structured_outputs.{kind}: "))
+        raise bad_request(f"unusable {UNUSABLE[kind]}: {message.strip()}", param) from None
+
+
+UNUSABLE = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}
 
 
 def guided_param(req) -> Optional[str]:
     """The request field a grammar error is about."""
     if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:
         return "tools"
-    if req.guided_json is not None:
-        return "guided_json"
-    if req.response_format is not None and req.response_format.type == "json_schema":
+    if req.structured_outputs is not None:
+        return "structured_outputs." + req.structured_outputs.options().popitem()[0]
+    given = req.constraints()
+    if given == ["response_format"] and req.response_format.type == "json_schema":
         return "response_format.json_schema.schema"
-    return "response_format"
+    return given[0] if given else None
