@@ -211,6 +211,29 @@ def test_greedy_completions_and_chat_equal_offline(client, llm):
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_a_list_of_prompts_gets_n_choices_each(client, llm):
+    """As vLLM: choice i x n + j is prompt i's choice j; the usage counts each prompt once."""
+    want = llm.generate(PROMPTS[:3], greedy(12))
+    kw = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=PROMPTS[:3], n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [w.text for w in want for _ in range(2)]
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in want)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (prompt_tokens, 72)
+    chunks = list(client.completions.create(prompt=[w.prompt_token_ids for w in want], stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    texts = [""] * 3
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [w.text for w in want]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (prompt_tokens, 36)
+    seeded = dict(model=MODEL, max_tokens=12, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    both = client.completions.create(prompt=PROMPTS[3:5], n=2, **seeded).choices
+    alone = [client.completions.create(prompt=p, n=2, **seeded).choices for p in PROMPTS[3:5]]
+    assert [c.text for c in both] == [c.text for choices in alone for c in choices]
+
+
 def test_streaming_with_usage_equals_non_streamed(client):
     kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt=PROMPTS[4], **kw)
@@ -306,6 +329,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [5] * 1100}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": ["x", ""]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[5], [5] * 1100]}, 400, "prompt.1"),
+    ("/v1/completions", {"prompt": ["x", [5, 6]]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),

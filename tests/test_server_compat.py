@@ -362,6 +362,8 @@ def test_real_responses_match_the_openapi_schema(server, spec):  # noqa: F811
 def test_more_choices_than_the_server_runs_at_once_is_400(strict):
     error = assert_error(post(strict, "/v1/completions", {"prompt": "x", "n": 2, "model": "org/tiny"}), 400, "n")
     assert "at once" in error["message"]
+    error = assert_error(post(strict, "/v1/completions", {"prompt": [[5], [6]], "model": "org/tiny"}), 400, "prompt")
+    assert "2 prompts x n 1 is more choices than this server runs at once" in error["message"]
 
 
 def test_streamed_chunks_match_the_openapi_schema(server, spec):  # noqa: F811

@@ -133,4 +133,4 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                 reasoning_parser=state.options.reasoning_parser, tools=tools, guided=params.guided,
                                 frame=frame)
                   for index in range(req.num_choices)]
-    return await respond(request, state, req, prompt_ids, params, formatters)
+    return await respond(request, state, req, [(prompt_ids, params)], formatters)

@@ -55,14 +55,19 @@ class CompletionFormatter(Formatter):
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
+    """One prompt or a list of them (as vLLM): choice prompt x n + j is prompt's choice j."""
     engine, req = await parse_request(request, state, CompletionRequest)
-    try:
-        prompt_ids = engine.engine.tokenize(req.prompt)
-    except RequestError as e:
-        raise bad_request(str(e), "prompt") from None
-    params = sampling_params(engine, req, prompt_ids, "prompt", req.max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
-    await check_grammar(engine.tokenizer, params, guided_param(req))
+    prompts = []
+    for i, prompt in enumerate(req.prompts):
+        param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
+        try:
+            prompt_ids = engine.engine.tokenize(prompt)
+        except RequestError as e:
+            raise bad_request(str(e), param) from None
+        prompts.append((prompt_ids, sampling_params(engine, req, prompt_ids, param, req.max_tokens,
+                                                    DEFAULT_MAX_TOKENS, req.logprobs)))
+    await check_grammar(engine.tokenizer, prompts[0][1], guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, index)
-                  for index in range(req.num_choices)]
-    return await respond(request, state, req, prompt_ids, params, formatters)
+                  for index in range(len(prompts) * req.num_choices)]
+    return await respond(request, state, req, prompts, formatters)

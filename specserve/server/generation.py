@@ -1,6 +1,6 @@
 """The path both generation endpoints share: check the request against the engine, submit it (one engine
-request per choice: `n` > 1 fans out), and answer with one body or a stream of chunks. A client that goes
-away aborts its requests."""
+request per choice: `n` > 1 and a list of prompts fan out), and answer with one body or a stream of chunks. A
+client that goes away aborts its requests."""
 from __future__ import annotations
 
 import asyncio
@@ -118,26 +118,30 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
-async def respond(request: Request, state: ServerState, req: SamplingRequest, prompt_ids: list[int],
-                  params: SamplingParams, formatters: list[Formatter]) -> Response:
-    """Submit one request per choice (`formatters`) and answer: a stream of chunks, or one body once all
-    have finished."""
-    n, response_id = len(formatters), formatters[0].envelope.id
-    if n > state.requests.capacity:
-        raise bad_request(f"n {n} is more than this server runs at once ({state.requests.capacity})", "n")
-    request_ids = [response_id] if n == 1 else [f"{response_id}-{i}" for i in range(n)]
-    streams = state.requests.submit(prompt_ids, choice_params(params, n), request_ids)
+async def respond(request: Request, state: ServerState, req: SamplingRequest,
+                  prompts: list[tuple[list[int], SamplingParams]], formatters: list[Formatter]) -> Response:
+    """Submit one request per choice (`formatters`: n per prompt, prompt by prompt; `prompts`: each one's
+    token ids and params) and answer: a stream of chunks, or one body once all have finished. The usage
+    counts each prompt once."""
+    n, total, response_id = req.num_choices, len(formatters), formatters[0].envelope.id
+    if total > state.requests.capacity:
+        what, param = (f"n {n}", "n") if len(prompts) == 1 else (f"{len(prompts)} prompts x n {n}", "prompt")
+        raise bad_request(f"{what} is more choices than this server runs at once ({state.requests.capacity})",
+                          param)
+    request_ids = [response_id] if total == 1 else [f"{response_id}-{i}" for i in range(total)]
+    streams = state.requests.submit([(ids, choice_params(params, n)) for ids, params in prompts], request_ids)
+    num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     if req.stream:
         async def close() -> None:  # also when the client leaves before the body starts
             for stream in streams:
                 stream.close()
 
-        return StreamingResponse(_events(streams, formatters, req), media_type="text/event-stream",
+        return StreamingResponse(_events(streams, formatters, req, num_prompt_tokens), media_type="text/event-stream",
                                  headers=SSE_HEADERS, background=BackgroundTask(close))
     outs = await _finished_or_disconnected(request, streams)
     if outs is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(response(formatters, outs, streams[0].num_prompt_tokens))
+    return JSONResponse(response(formatters, outs, num_prompt_tokens))
 
 
 async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union[RequestOutput, Exception]]]:
@@ -167,13 +171,13 @@ async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union
             reader.cancel()
 
 
-async def _events(streams: list[OutputStream], formatters: list[Formatter], req: SamplingRequest) -> AsyncIterator[str]:
+async def _events(streams: list[OutputStream], formatters: list[Formatter], req: SamplingRequest,
+                  num_prompt_tokens: int) -> AsyncIterator[str]:
     """The SSE body. It always ends with [DONE]: a request the server aborts ends its choice with
     finish_reason "abort"; an engine failure sends an error event. With continuous usage stats every
     chunk carries the usage so far (of all choices); with include_usage a last chunk carries the total.
     Closing it (the client went away) aborts the requests."""
     num_tokens = [0] * len(streams)
-    num_prompt_tokens = streams[0].num_prompt_tokens
 
     def event(chunk: dict) -> str:
         if req.continuous_usage:

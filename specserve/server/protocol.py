@@ -333,14 +333,12 @@ Text = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-def _one(item) -> Any:
-    return Annotated[list[item], Field(min_length=1, max_length=1)]
-
-
 class CompletionRequest(SamplingRequest):
-    prompt: Union[Text, TokenIds, _one(Text), _one(TokenIds)] = Field(
-        description="one prompt: text or token ids (or a list holding one of them); with max_tokens it must fit "
-                    "max_model_len (GET /v1/models), counted in tokens")
+    prompt: Union[Text, TokenIds, Annotated[list[Text], Field(min_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1)]] = Field(
+        description="a prompt (text or token ids) or a list of them, each answered with n choices (choice "
+                    "prompt x n + j); with max_tokens each must fit max_model_len (GET /v1/models), counted in "
+                    "tokens")
     logprobs: Optional[NumLogprobs] = None
     echo: Optional[Literal[False]] = None
     suffix: None = None
@@ -348,15 +346,19 @@ class CompletionRequest(SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v):
-        """Clearer messages than the types' for the two likely mistakes."""
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batches of prompts are not supported: send one request per prompt")
-            v = v[0]
+    def _no_empty_prompt(cls, v):
+        """A clearer message than the types' for the likely mistake."""
         if v in ("", []):
             raise ValueError("the prompt is empty")
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)) and ("" in v or [] in v):
+            raise ValueError(f"prompt {v.index('' if '' in v else [])} of the list is empty")
         return v
+
+    @property
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts, a list of one for a single prompt."""
+        single = isinstance(self.prompt, str) or isinstance(self.prompt[0], int)
+        return [self.prompt] if single else list(self.prompt)
 
 
 class TextPart(_Strict):

@@ -140,20 +140,27 @@ class RequestRegistry:
     def __len__(self) -> int:
         return len(self._streams)
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str]) -> list[OutputStream]:
-        """One request per choice of a response (all of the same prompt): all are taken, or none (429).
-        With prefix caching the choices after the first reach the engine once the first has its first
-        output: the prompt's KV blocks are cached by then, so the others share them."""
-        if len(self._streams) + len(params) > self.capacity:
+    def submit(self, prompts: list[tuple[list[int], list[SamplingParams]]], request_ids: list[str]
+               ) -> list[OutputStream]:
+        """One request per choice of a response: per prompt, its token ids and the params of each of its
+        choices; request_ids in that order. All are taken, or none (429). With prefix caching a prompt's
+        choices after its first reach the engine once the first has its first output: the prompt's KV blocks
+        are cached by then, so the others share them."""
+        count = sum(len(params) for _, params in prompts)
+        if len(self._streams) + count > self.capacity:
             raise APIError(429, f"the server is at capacity ({len(self._streams)} requests in flight, "
                                 f"limit {self.capacity}): retry later", "rate_limit_error", code="queue_full")
         streams: list[OutputStream] = []
-        for choice_params, request_id in zip(params, request_ids):
-            after = streams[0].started if streams and self._share_prompts else None
-            stream = OutputStream(self.engine, prompt_ids, choice_params, request_id, self._observer, after)
-            self._streams.add(stream)
-            stream.add_done_callback(self._discard)
-            streams.append(stream)
+        ids = iter(request_ids)
+        for prompt_ids, params in prompts:
+            first = None
+            for choice_params in params:
+                after = first.started if first is not None and self._share_prompts else None
+                stream = OutputStream(self.engine, prompt_ids, choice_params, next(ids), self._observer, after)
+                self._streams.add(stream)
+                stream.add_done_callback(self._discard)
+                streams.append(stream)
+                first = first or stream
         self._empty.clear()
         return streams
 
