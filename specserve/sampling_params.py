@@ -66,9 +66,11 @@ class SamplingParams:
     float32's range. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs; top_p always keeps
     the most likely token, however small it is.
     `logprobs` asks for the log-probability of each sampled token plus that many top alternatives
-    (0: the sampled token only). Stop strings are removed from the returned text. `seed` (any integer,
-    taken mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the
-    seed, that index and the logits only (`layers.sampler.seeded_tokens`), with or without speculation.
+    (0: the sampled token only); `prompt_logprobs` the same for every prompt token after the first (of the
+    model's raw distribution; the request then computes its whole prompt, cached blocks or not). Stop
+    strings are removed from the returned text. `seed` (any integer, taken mod 2^64) makes sampling
+    reproducible: the token at each sequence index is a function of the seed, that index and the logits
+    only (`layers.sampler.seeded_tokens`), with or without speculation.
 
     Logits processors, applied before temperature and the filters, in plain sampling and at every draft
     node of a verify alike (`layers.logits_processors`):
@@ -96,6 +98,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -127,8 +130,10 @@ class SamplingParams:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
+                bad(f"{name} must be an integer in [0, 20], got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -234,6 +234,34 @@ def test_a_list_of_prompts_gets_n_choices_each(client, llm):
     assert [c.text for c in both] == [c.text for choices in alone for c in choices]
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(client, llm):
+    """echo with logprobs (lm-evaluation-harness's loglikelihood requests): the prompt's text and tokens come
+    first, the first token's logprob null, the others the offline engine's prompt logprobs."""
+    prompt = PROMPTS[1]
+    [ref] = llm.generate([prompt], greedy(4, logprobs=2, prompt_logprobs=2))
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0]
+    assert choice.text == prompt + ref.text
+    lp, ids = choice.logprobs, ref.prompt_token_ids + ref.token_ids
+    assert lp.tokens == [llm.tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = ref.prompt_logprobs[1:] + ref.logprobs
+    assert lp.token_logprobs[1:] == pytest.approx([w.logprob for w in want], abs=1e-4)
+    assert [list(top) for top in lp.top_logprobs[1:]] == [[llm.tokenizer.decode([t]) for t, _ in w.top] for w in want]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text
+    assert [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    r = client.completions.create(model=MODEL, prompt=ref.prompt_token_ids, max_tokens=0, echo=True, logprobs=0)
+    assert r.choices[0].text == llm.tokenizer.decode(ref.prompt_token_ids)  # max_tokens 0: the prompt alone
+    assert r.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ref.prompt_token_ids)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), 0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                  extra_body={"ignore_eos": True})
+    text = r.choices[0].text
+    assert text.startswith(prompt) and ref.text.startswith(text[len(prompt):]) and r.choices[0].logprobs is None
+
+
 def test_streaming_with_usage_equals_non_streamed(client):
     kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt=PROMPTS[4], **kw)
@@ -332,6 +360,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["x", ""]}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[5], [5] * 1100]}, 400, "prompt.1"),
     ("/v1/completions", {"prompt": ["x", [5, 6]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, None),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),

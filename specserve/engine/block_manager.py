@@ -98,9 +98,10 @@ class BlockManager:
     # ---- prefix hits ----------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixHit:
         """The cached blocks seq's tokens start with (no side effects). The last token is never part of
-        a hit: its logits are needed."""
+        a hit: its logits are needed; nor is any prompt token whose logprob the request still needs."""
         hit = PrefixHit()
-        if not self.enabled:
+        if not self.enabled or (seq.params.prompt_logprobs is not None
+                                and len(seq.prompt_logprobs) < seq.num_prompt_tokens):
             return hit
         bs, tokens = self.block_size, seq.token_ids
         limit = (seq.num_tokens - 1) // bs

@@ -22,7 +22,7 @@ import contextlib
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -90,6 +90,13 @@ class StepInputs:
     trees: list  # per sequence: [q, q] ancestor mask or None (causal)
     logit_index: list[int]
     req_indices: list[int]  # per sequence: its request index (Sequence.req_index)
+    # prompt logprobs (SamplingParams.prompt_logprobs; such a step runs eagerly): the rows whose next prompt
+    # token's logprob is wanted, those tokens, (batch index, rows) of the sequences they belong to in order,
+    # and the most alternatives any of them asks for
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_items: list[tuple[int, int]] = field(default_factory=list)
+    prompt_top: int = 0
 
 
 def resolve_ids(ids: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
@@ -244,6 +251,8 @@ class GraphRunner:
     def graph_for(self, step: StepInputs) -> tuple[int, int] | None:
         """The key of the graph that replays this step: (batch size, tokens per sequence), or (0, tokens) for a
         mixed graph; None: it runs eagerly."""
+        if step.prompt_rows:
+            return None
         q = step.q_lens[0]
         if q in self.sizes and all(n == q for n in step.q_lens) and len(step.logit_index) == len(step.ids):
             fits = [b for b in self.sizes[q] if b >= len(step.q_lens)]

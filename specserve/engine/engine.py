@@ -76,6 +76,8 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs, once the prompt is computed: per prompt token (None for the first)
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
 def load_tokenizer(folder: str):
@@ -388,7 +390,7 @@ class LLMEngine:
             logprobs = self.runner.logprobs(logits, tokens, seqs)  # syncs only when a request asked
         committed = []
         for i, item in enumerate(batch):
-            self._count_prompt(item)
+            self._count_prompt(item, out, i)
             committed.append(self._commit(item.seq, range(item.num_tokens), out, i))
         self._observe(out, committed)
         for row, seq in enumerate(seqs):
@@ -441,7 +443,7 @@ class LLMEngine:
         outputs, finished, committed = [], [], []
         for i, item in enumerate(batch):
             seq = item.seq
-            self._count_prompt(item)
+            self._count_prompt(item, out, i)
             if item.draft is not None:
                 verdict, logprobs = verdicts[i]
                 committed.append(self._commit(seq, verdict.path, out, i))
@@ -462,9 +464,12 @@ class LLMEngine:
         self._finish(finished)
         return outputs
 
-    def _count_prompt(self, item: ScheduledSeq) -> None:
+    def _count_prompt(self, item: ScheduledSeq, out: ForwardOutput, i: int) -> None:
+        """Count batch item i's prompt tokens, and keep their logprobs when it asked (`prompt_logprobs`)."""
         seq = item.seq
         self.stats.num_prompt_tokens += max(0, min(item.num_tokens, seq.num_prompt_tokens - seq.num_computed_tokens))
+        if out.prompt_logprobs and i in out.prompt_logprobs:
+            seq.prompt_logprobs.extend(out.prompt_logprobs[i])
 
     def _finish(self, finished: list[Sequence]) -> None:
         """Release finished requests (their complete blocks stay cached, draft state included)."""
@@ -500,5 +505,6 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         new_ids, new_text = seq.take_new_output()
+        prompt = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
-                             seq.text, new_ids, new_text, seq.finished, seq.finish_reason, seq.logprobs)
+                             seq.text, new_ids, new_text, seq.finished, seq.finish_reason, seq.logprobs, prompt)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ from .sequence import ScheduledSeq, Sequence, TokenLogprob
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROMPT_ROWS = 256  # prompt rows whose logits are made at once (`ModelRunner.prompt_logprobs`)
 
 
 @dataclass
@@ -44,6 +45,16 @@ class ForwardOutput:
     aux: Optional[torch.Tensor]  # [num_tokens, aux_dim] auxiliary hidden states, when asked for
     token_offsets: list[int]  # per batch item, the flat index of its first token
     inputs: Optional[StepTensors] = None  # beside aux when the step ran eagerly
+    prompt_logprobs: Optional[dict[int, list[TokenLogprob]]] = None  # per batch index: its prompt tokens' logprobs
+
+
+class StepResult(NamedTuple):
+    """What one step of the model returns (`ModelRunner.run`)."""
+
+    logits: torch.Tensor  # [len(logit_index), vocab] in the model's dtype
+    aux: Optional[torch.Tensor]  # [num_tokens, aux_dim], None without aux layers
+    inputs: Optional[StepTensors]  # its inputs on the device, beside aux when it ran eagerly
+    prompt: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # `ModelRunner.prompt_logprobs`
 
 
 class ModelRunner:
@@ -162,7 +173,7 @@ class ModelRunner:
         draft tokens [B, N] on the device that the inputs' placeholders -1-i refer to (flat index i)."""
         step = StepInputs([], [], [], [], [], [], [], [])
         rows, offsets, drafts = [], [], None
-        for item in batch:
+        for i, item in enumerate(batch):
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             offsets.append(len(step.ids))
@@ -188,11 +199,24 @@ class ModelRunner:
                 rows.append(range(first, first + 1) if item.samples else range(0))
                 if item.samples:
                     step.logit_index.append(len(step.ids) - 1)
+            if seq.params.prompt_logprobs is not None:
+                self._prompt_rows(step, i, seq, start, n, offsets[-1])
             step.q_lens.append(n)
             step.req_indices.append(seq.req_index)
             step.seq_lens.append(start + n)
             step.block_tables.append(seq.block_table)
         return step, rows, offsets, drafts
+
+    @staticmethod
+    def _prompt_rows(step: StepInputs, index: int, seq: Sequence, start: int, n: int, offset: int) -> None:
+        """Batch item `index`: the rows of seq's tokens start..start+n-1 (from flat index offset) whose logits
+        give a prompt token seq has no logprob for yet (position p's give token p + 1's)."""
+        positions = range(max(start, len(seq.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1))
+        if positions:
+            step.prompt_rows.extend(offset + p - start for p in positions)
+            step.prompt_targets.extend(seq.token_ids[p + 1] for p in positions)
+            step.prompt_items.append((index, len(positions)))
+            step.prompt_top = max(step.prompt_top, seq.params.prompt_logprobs)
 
     def forward(self, batch: list[ScheduledSeq], aux_layers: tuple[int, ...] = (),
                 publish: bool = False) -> ForwardOutput:
@@ -207,20 +231,33 @@ class ModelRunner:
         if drafts is not None:  # no step is in flight: the placeholders are draft tokens
             self.pending_tokens = drafts.view(-1)
         try:
-            logits, aux, inputs = self._everywhere("run", step, aux_layers, sampled)
+            result = self._everywhere("run", step, aux_layers, sampled)
         finally:
             if drafts is not None:
                 self.pending_tokens = None
-        return ForwardOutput(logits, rows, aux, offsets, inputs)
+        prompt = self._host_prompt_logprobs(step, batch, result.prompt) if result.prompt is not None else None
+        return ForwardOutput(result.logits, rows, result.aux, offsets, result.inputs, prompt)
+
+    @staticmethod
+    def _host_prompt_logprobs(step: StepInputs, batch: list[ScheduledSeq], prompt
+                              ) -> dict[int, list[TokenLogprob]]:
+        """Per batch item with prompt rows, the TokenLogprob of each (`prompt_logprobs`' tensors)."""
+        chosen, top_ids, top_lp = (t.tolist() for t in prompt)
+        out, row = {}, 0
+        for index, count in step.prompt_items:
+            k = batch[index].seq.params.prompt_logprobs
+            out[index] = [TokenLogprob(chosen[r], list(zip(top_ids[r][:k], top_lp[r][:k])))
+                          for r in range(row, row + count)]
+            row += count
+        return out
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, aux_layers: tuple[int, ...], sampled: int = 0
-            ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
+    def run(self, step: StepInputs, aux_layers: tuple[int, ...], sampled: int = 0) -> StepResult:
         """The model on one step: logits [len(logit_index), vocab] in the model's dtype (`Sampler` and
         `filtered_logits` compute in fp32 what needs it), the auxiliary hidden states
         [num_tokens, aux_dim] (None without aux_layers) and, beside them when the step ran eagerly, its
-        inputs on the device; from a CUDA graph when one fits. Ranks other than 0 then receive the
-        `sampled` tokens rank 0 publishes for this step."""
+        inputs on the device; the prompt rows' logprobs when it has any; from a CUDA graph when one fits.
+        Ranks other than 0 then receive the `sampled` tokens rank 0 publishes for this step."""
         out = self._model_step(step, aux_layers)
         if sampled and self.ranks is not None and self.ranks.rank != 0:
             self.pending_tokens = self.ranks.tp.broadcast(torch.empty(sampled, dtype=torch.long, device=self.device))
@@ -238,12 +275,11 @@ class ModelRunner:
         if tokens is not None and self.ranks is not None:
             self.ranks.tp.broadcast(tokens)
 
-    def _model_step(self, step: StepInputs, aux_layers: tuple[int, ...]
-                    ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[StepTensors]]:
+    def _model_step(self, step: StepInputs, aux_layers: tuple[int, ...]) -> StepResult:
         key = self.graphs.graph_for(step) if self.graphs is not None else None
         if key is not None:
             logits, aux, inputs = self.graphs.replay(key, step, self.pending_tokens)
-            return logits, aux, (StepTensors(*inputs) if inputs is not None else None)
+            return StepResult(logits, aux, StepTensors(*inputs) if inputs is not None else None)
         trees = step.trees if any(t is not None for t in step.trees) else None
         meta = self.backend.metadata(step.q_lens, step.seq_lens, step.block_tables, self.block_size, self.device,
                                      self.group, trees, self.kv_cache)
@@ -251,9 +287,20 @@ class ModelRunner:
         ids, positions = resolve_ids(self._ids(step.ids), self.pending_tokens), self._ids(step.positions)
         hidden, aux = self.model(ids, positions, meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)])
+        prompt = self.prompt_logprobs(hidden, step) if step.prompt_rows else None
         if not aux:
-            return logits, None, None
-        return logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping)
+            return StepResult(logits, None, None, prompt)
+        return StepResult(logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping), prompt)
+
+    def prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, H]: per prompt row, the logprob of its target token and the top step.prompt_top
+        (ids, logprobs): [R], [R, top], [R, top]. The logits are made PROMPT_ROWS rows at a time: a long
+        prompt's at once would not fit (4,096 x 128K fp32 is 2 GB)."""
+        rows, targets = self._ids(step.prompt_rows), self._ids(step.prompt_targets)
+        parts = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + PROMPT_ROWS]]),
+                                targets[i:i + PROMPT_ROWS], step.prompt_top) for i in range(0, len(rows), PROMPT_ROWS)]
+        return tuple(torch.cat(p) for p in zip(*parts))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:
         """One token per row of logits [len(seqs), vocab], with its logprob when the request asked."""

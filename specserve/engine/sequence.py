@@ -47,6 +47,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: Optional[str] = None
         self.logprobs: list[TokenLogprob] = []
+        # with params.prompt_logprobs: per prompt token computed so far, its logprob (None for the first)
+        self.prompt_logprobs: list[Optional[TokenLogprob]] = [] if params.prompt_logprobs is None else [None]
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.max_model_len = max_model_len
         self.detokenizer = detokenizer

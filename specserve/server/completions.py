@@ -1,8 +1,13 @@
-"""POST /v1/completions: text (or token ids) in, text out (JSON with response_format / guided_json)."""
+"""POST /v1/completions: text (or token ids) in, text out (constrained by a schema, regex, choice or grammar
+when asked). With `echo` the prompt comes back before the completion, with its tokens' logprobs when
+`logprobs` is set (what lm-evaluation-harness's loglikelihood tasks read); `max_tokens` 0 then returns the
+prompt alone (the engine samples one token, which is dropped)."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,55 +24,99 @@ from .structured import check_grammar, guided_param
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a choice begins with: its text (as sent, or its ids decoded), its token ids, and whether
+    the completion is dropped (max_tokens 0)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_only: bool
+
+
 class CompletionFormatter(Formatter):
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, echo: Optional[Echo] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.text_offset = 0
+        self.echo = echo
+        self.echoed = False  # streamed: the prompt went out with the first chunk
+
+    def count(self, out: RequestOutput) -> int:
+        return 0 if self.echo is not None and self.echo.prompt_only else len(out.token_ids)
 
     def chunk(self, out: RequestOutput) -> Optional[dict]:
-        logprobs = self._logprobs(new_logprobs(out)) if self.logprobs else None
-        if not out.new_text and logprobs is None and not out.finished:
+        text, tokens = out.new_text, new_logprobs(out)
+        if self.echo is not None and self.echo.prompt_only:
+            text, tokens = "", []
+        if self.echo is not None and not self.echoed:
+            self.echoed = True
+            text, tokens = self.echo.text + text, self._prompt_tokens(out) + tokens
+        logprobs = self._logprobs(tokens) if self.logprobs else None
+        if not text and not (logprobs and logprobs["tokens"]) and not out.finished:
             return None
-        return self.envelope.wrap(self.chunk_object, [self._choice(out.new_text, logprobs, out.finish_reason)])
+        return self.envelope.wrap(self.chunk_object, [self._choice(text, logprobs, out.finish_reason)])
 
     def end_chunk(self, finish_reason: str) -> dict:
         return self.envelope.wrap(self.chunk_object, [self._choice("", None, finish_reason)])
 
     def choice(self, out: RequestOutput) -> dict:
-        logprobs = self._logprobs(list(zip(out.token_ids, out.logprobs))) if self.logprobs else None
-        return self._choice(out.text, logprobs, out.finish_reason)
+        text, tokens = out.text, list(zip(out.token_ids, out.logprobs))
+        if self.echo is not None:
+            kept = not self.echo.prompt_only
+            text = self.echo.text + (text if kept else "")
+            tokens = self._prompt_tokens(out) + (tokens if kept else [])
+        return self._choice(text, self._logprobs(tokens) if self.logprobs else None, out.finish_reason)
+
+    def _prompt_tokens(self, out: RequestOutput) -> list[tuple[int, Optional[TokenLogprob]]]:
+        """(token id, logprob) of each prompt token (the first's None), when logprobs were asked for."""
+        if not self.logprobs:
+            return []
+        return list(zip(self.echo.token_ids, out.prompt_logprobs))
 
     def _choice(self, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
-        """The completions logprobs shape: parallel lists, top alternatives as {token: logprob}."""
+    def _logprobs(self, tokens: list[tuple[int, Optional[TokenLogprob]]]) -> dict:
+        """The completions logprobs shape: parallel lists, top alternatives as {token: logprob}; an echoed
+        prompt's first token has null for both."""
         texts = [self.token_text(token_id) for token_id, _ in tokens]
         offsets = []
         for text in texts:
             offsets.append(self.text_offset)
             self.text_offset += len(text)
-        return {"tokens": texts, "token_logprobs": [json_logprob(lp.logprob) for _, lp in tokens],
-                "top_logprobs": [{self.token_text(t): json_logprob(v) for t, v in lp.top} for _, lp in tokens],
+        return {"tokens": texts,
+                "token_logprobs": [None if lp is None else json_logprob(lp.logprob) for _, lp in tokens],
+                "top_logprobs": [None if lp is None else {self.token_text(t): json_logprob(v) for t, v in lp.top}
+                                 for _, lp in tokens],
                 "text_offset": offsets}
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:
     """One prompt or a list of them (as vLLM): choice prompt x n + j is prompt's choice j."""
     engine, req = await parse_request(request, state, CompletionRequest)
-    prompts = []
+    prompts, echoes = [], []
     for i, prompt in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
         try:
             prompt_ids = engine.engine.tokenize(prompt)
         except RequestError as e:
             raise bad_request(str(e), param) from None
-        prompts.append((prompt_ids, sampling_params(engine, req, prompt_ids, param, req.max_tokens,
-                                                    DEFAULT_MAX_TOKENS, req.logprobs)))
+        max_tokens = req.max_tokens or (1 if req.max_tokens == 0 else None)  # 0: one token, dropped
+        params = sampling_params(engine, req, prompt_ids, param, max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        prompts.append((prompt_ids, params))
+        echoes.append(_echo(engine.tokenizer, prompt, prompt_ids, req.max_tokens == 0) if req.echo else None)
     await check_grammar(engine.tokenizer, prompts[0][1], guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
-    formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, index)
-                  for index in range(len(prompts) * req.num_choices)]
+    formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, i * req.num_choices + j,
+                                      echo=echoes[i])
+                  for i in range(len(prompts)) for j in range(req.num_choices)]
     return await respond(request, state, req, prompts, formatters)
+
+
+def _echo(tokenizer, prompt: Union[str, list[int]], prompt_ids: list[int], prompt_only: bool) -> Echo:
+    text = prompt if isinstance(prompt, str) else (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
+    return Echo(text, prompt_ids, prompt_only)

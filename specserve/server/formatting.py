@@ -97,10 +97,14 @@ class Formatter:
     def choice(self, out: RequestOutput) -> dict:
         raise NotImplementedError
 
+    def count(self, out: RequestOutput) -> int:
+        """The completion tokens this choice's usage counts."""
+        return len(out.token_ids)
+
 
 def response(formatters: list[Formatter], outs: list[RequestOutput], num_prompt_tokens: int) -> dict:
     """The non-streamed body: one choice per formatter and its finished output; the prompt counts once in
     the usage, the completion tokens of every choice add up."""
     body = formatters[0].envelope.wrap(formatters[0].object, [f.choice(out) for f, out in zip(formatters, outs)])
-    body["usage"] = usage(num_prompt_tokens, sum(len(out.token_ids) for out in outs))
+    body["usage"] = usage(num_prompt_tokens, sum(f.count(out) for f, out in zip(formatters, outs)))
     return body

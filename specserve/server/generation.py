@@ -196,7 +196,7 @@ async def _events(streams: list[OutputStream], formatters: list[Formatter], req:
                     yield sse(as_api_error(item).body())
                     break
                 else:
-                    num_tokens[index] = len(item.token_ids)
+                    num_tokens[index] = formatters[index].count(item)
                     chunk = formatters[index].chunk(item)
                     if chunk is not None:
                         yield event(chunk)

@@ -83,7 +83,6 @@ class StreamOptions(_Strict):
 UNSUPPORTED = {
     "best_of": (1, "only best_of 1 is supported: the server does not rank choices (use n)"),
     "use_beam_search": (False, "beam search is not supported"),
-    "echo": (False, "echo is not supported"),
     "whitespace_pattern": (None, "whitespace_pattern is not supported: JSON is generated with compact whitespace"),
     "structural_tag": (None, "structural_tag is not supported: use tools and tool_choice"),
     "suffix": (None, "suffix is not supported"),
@@ -339,8 +338,11 @@ class CompletionRequest(SamplingRequest):
         description="a prompt (text or token ids) or a list of them, each answered with n choices (choice "
                     "prompt x n + j); with max_tokens each must fit max_model_len (GET /v1/models), counted in "
                     "tokens")
+    max_tokens: Optional[Annotated[int, Field(ge=0, description="0 (with echo only): the prompt alone comes back"),
+                                   BeforeValidator(_whole)]] = None
     logprobs: Optional[NumLogprobs] = None
-    echo: Optional[Literal[False]] = None
+    echo: Optional[bool] = Field(None, description="the prompt before the completion, in the text and (with "
+                                                   "logprobs) the logprobs: the first token's is null")
     suffix: None = None
     best_of: Optional[Literal[1]] = None
 
@@ -353,6 +355,12 @@ class CompletionRequest(SamplingRequest):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)) and ("" in v or [] in v):
             raise ValueError(f"prompt {v.index('' if '' in v else [])} of the list is empty")
         return v
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (the prompt alone comes back)")
+        return self
 
     @property
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -473,8 +481,8 @@ class Usage(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[Optional[float]] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[Optional[dict[str, float]]] = Field(description="null for an echoed prompt's first token")
     text_offset: list[int]
 
 

@@ -1,0 +1,105 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`) against transformers' log-softmax over the prompt (fp32):
+whole prompts, chunked prefill, preemption, two tensor-parallel ranks, prompts whose blocks are cached already,
+a speculative engine, and requests without them in the same batches."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import SamplingParams
+from specserve.assets import default_draft_path, default_model_path
+
+from .conftest import assert_pool_full, make_llm, mixed_prompts
+
+TOP = 3
+
+
+def hf_prompt_logprobs(path: str, prompts: list[list[int]], top: int) -> list[list]:
+    """Per prompt: None, then per later token (its logprob, the top (id, logprob) after the tokens before it)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            logp = model(torch.tensor([p])).logits[0].float().log_softmax(-1)  # [L, vocab]
+            values, ids = logp.topk(top, dim=-1)
+            out.append([None] + [(logp[i - 1, p[i]].item(), list(zip(ids[i - 1].tolist(), values[i - 1].tolist())))
+                                 for i in range(1, len(p))])
+    return out
+
+
+def assert_close(got: list, want: list, top: int = TOP) -> None:
+    assert len(got) == len(want) and got[0] is None
+    for g, (logprob, alternatives) in zip(got[1:], want[1:]):
+        assert g.logprob == pytest.approx(logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in alternatives[:top]]
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in alternatives[:top]], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return mixed_prompts(6, 256, seed=3, lo=1, hi=70)
+
+
+@pytest.fixture(scope="module")
+def want(hf_models, prompts):
+    return hf_prompt_logprobs(hf_models["qwen3"], prompts, TOP)
+
+
+CASES = {
+    "plain": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16},
+    "preemption": {"num_kv_blocks": 16, "block_size": 8, "max_model_len": 128},
+    "two_ranks": {"tensor_parallel_size": 2, "max_num_batched_tokens": 32},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_logprobs_match_transformers(hf_models, prompts, want, case):
+    llm = make_llm(hf_models["qwen3"], **CASES[case])
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=TOP if i % 3 else None)
+              for i in range(len(prompts))]  # every third request without them, in the same batches
+    outs = llm.generate(prompts, params)
+    for i, out in enumerate(outs):
+        if i % 3 == 0:
+            assert out.prompt_logprobs is None
+        else:
+            assert_close(out.prompt_logprobs, want[i])
+    if case == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+    assert_pool_full(llm)
+
+
+def test_cached_blocks_are_computed_again(hf_models, prompts, want):
+    llm = make_llm(hf_models["qwen3"], block_size=8)
+    long = [p for p in prompts if len(p) > 20]
+    llm.generate(long, SamplingParams(temperature=0, max_tokens=2))  # their blocks are cached now
+    hits = llm.engine.blocks.stats.num_hits
+    outs = llm.generate(long, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))
+    assert llm.engine.blocks.stats.num_hits == hits, "a request with prompt logprobs starts on no cached block"
+    for out, p in zip(outs, long):
+        assert_close(out.prompt_logprobs, want[prompts.index(p)], top=0)
+        assert all(lp.top == [] for lp in out.prompt_logprobs[1:])
+    outs = llm.generate(long, SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.blocks.stats.num_hits > hits, "the others still do"
+    assert_pool_full(llm)
+
+
+def test_speculative_engine_gives_the_same(prompts):
+    path = default_model_path()
+    ids = [[t % 4096 for t in p] for p in prompts]
+    want = hf_prompt_logprobs(path, ids, TOP)
+    llm = make_llm(path, speculative_algorithm="EAGLE3", speculative_draft_model_path=default_draft_path(),
+                   speculative_num_steps=3, speculative_policy="always", max_num_batched_tokens=32)
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=TOP))
+    for out, w in zip(outs, want):
+        assert_close(out.prompt_logprobs, w)
+    assert llm.engine.stats.spec.num_accepted_tokens > 0
+    assert_pool_full(llm)
+
+
+def test_bad_values_are_refused():
+    for value in (-1, 21, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
+            SamplingParams(prompt_logprobs=value)
