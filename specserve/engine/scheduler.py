@@ -47,7 +47,8 @@ class Scheduler:
         """Prompt tokens the coming steps must compute (0: none; else the next step computes some): the rest
         of running requests' prompts (chunked, or recomputed after preemption) and the prompts of the
         waiting requests that may be admitted."""
-        pending = sum(seq.num_uncomputed_tokens for seq in self.running if seq.num_uncomputed_tokens > 1)
+        pending = sum(n for seq in self.running  # num_uncomputed_tokens, inlined: each step walks every request
+                      if (n := len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens) > 1)
         room = self.config.max_num_seqs - len(self.running)
         return pending + sum(seq.num_uncomputed_tokens for _, seq in zip(range(room), self.waiting))
 
