@@ -262,6 +262,34 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, llm):
     assert text.startswith(prompt) and ref.text.startswith(text[len(prompt):]) and r.choices[0].logprobs is None
 
 
+def test_tokenize_and_detokenize(server, client, llm):
+    """vLLM's /tokenize and /detokenize: a prompt as /v1/completions tokenizes it, messages as
+    /v1/chat/completions renders them (the count is its usage.prompt_tokens)."""
+    def post(path: str, body: dict) -> dict:
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    got = post("/tokenize", {"model": MODEL, "prompt": PROMPTS[0], "return_token_strs": True})
+    [ref] = llm.generate([PROMPTS[0]], greedy(1))
+    assert got["tokens"] == ref.prompt_token_ids and got["count"] == len(ref.prompt_token_ids)
+    assert got["max_model_len"] == 1024 and got["token_strs"] == llm.tokenizer.convert_ids_to_tokens(got["tokens"])
+    assert post("/detokenize", {"model": MODEL, "tokens": got["tokens"]}) == {"prompt": PROMPTS[0]}
+    assert "token_strs" not in post("/tokenize", {"prompt": ""}) and post("/tokenize", {"prompt": ""})["count"] == 0
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    usage = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage
+    got = post("/tokenize", {"messages": messages})
+    assert got["count"] == usage.prompt_tokens and got["tokens"] == chat_prompt_ids(llm, messages)
+    assert post("/tokenize", {"messages": messages, "add_generation_prompt": False})["count"] < got["count"]
+    for path, body, param in [("/tokenize", {"prompt": "x", "messages": messages}, None), ("/tokenize", {}, None),
+                              ("/detokenize", {"tokens": [5, 10**6]}, "tokens"), ("/detokenize", {"tokens": "x"},
+                                                                                  "tokens")]:
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30)  # no key
+    assert r.status_code == 401
+
+
 def test_streaming_with_usage_equals_non_streamed(client):
     kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt=PROMPTS[4], **kw)

@@ -24,17 +24,23 @@ from .protocol import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from .state import ServerState
+from .tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")  # no API key needed
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)  # the routes read them from the raw request
+# the routes read them from the raw request
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk)  # the JSON of streamed events
 
 
@@ -85,6 +91,13 @@ def _generation_docs(request_model, response_model, chunk_model) -> dict:
            "content": {"text/event-stream": {"schema": _sse_event(chunk_model)}}}
     return dict(response_model=response_model, openapi_extra={"requestBody": body},
                 responses={200: sse, **_errors(400, 401, 404, 413, 429, 500, 503)})
+
+
+def _tokenizer_docs(request_model, response_model) -> dict:
+    """Route arguments that document /tokenize or /detokenize."""
+    body = {"content": {"application/json": {"schema": _ref(request_model)}}, "required": True}
+    return dict(response_model=response_model, openapi_extra={"requestBody": body},
+                responses=_errors(400, 401, 404, 413, 500, 503))
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -154,5 +167,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                                                                   ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @app.post("/tokenize", **_tokenizer_docs(TokenizeRequest, TokenizeResponse))
+    async def tokenize_route(request: Request) -> Response:
+        return await tokenize(request, state)
+
+    @app.post("/detokenize", **_tokenizer_docs(DetokenizeRequest, DetokenizeResponse))
+    async def detokenize_route(request: Request) -> Response:
+        return await detokenize(request, state)
 
     return app

@@ -16,7 +16,7 @@ from .errors import bad_request
 from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
 from .parsers import ChatDelta, ChatOutputParser, FramedOutputParser, parse_message
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, ChatTemplateInput
 from .state import ServerState
 from .structured import ForcedToolCall, check_grammar, forced_tool_call, guided_param
 
@@ -102,14 +102,15 @@ def _delta_fields(delta: ChatDelta) -> dict:
     return fields
 
 
-def render_prompt(tokenizer, req: ChatCompletionRequest, then: str = "") -> list[int]:
+def render_prompt(tokenizer, req: ChatTemplateInput, then: str = "", add_generation_prompt: bool = True
+                  ) -> list[int]:
     """The messages (and tools) through the tokenizer's chat template, followed by `then` (the start of
     the answer), as token ids."""
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
         text = tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(),
-                                             add_generation_prompt=True, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
                                              **(req.chat_template_kwargs or {}))
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None

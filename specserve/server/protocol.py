@@ -412,7 +412,17 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateInput:
+    """What a chat template renders: `messages` and `tools` (a request model's fields)."""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT,
                                                            FORCED_CALL_NEEDS_TOOLS]})
 
@@ -456,11 +466,30 @@ class ChatCompletionRequest(SamplingRequest):
         """SamplingParams.logprobs for this request (None: none asked for)."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+# ---- /tokenize, /detokenize (vLLM's) -------------------------------------------------------------
+class TokenizeRequest(_Strict, ChatTemplateInput):
+    """A `prompt` (text) or chat `messages` (with `tools`), not both."""
 
-    def template_tools(self) -> Optional[list[dict[str, Any]]]:
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: Optional[bool] = Field(None, description="default: true for a prompt (as /v1/completions), "
+                                                                 "false for messages (the template writes them)")
+    add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening")
+    tools: Optional[list[Tool]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = Field(False, description="also each token's string (the tokenizer's own spelling)")
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages (one of them)")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[TokenId]
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -548,6 +577,17 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = _sometimes("with return_token_strs")
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
 
 
 # ---- streamed chunks (each the JSON of one `data:` event; the last event is `data: [DONE]`) ----------
