@@ -31,6 +31,9 @@ class ModelConfig:
     load_format: str = _opt("safetensors", "where weights come from", ("safetensors", "dummy"))
     max_model_len: Optional[int] = _opt(None, "longest prompt + output in tokens (default: from config.json)")
     seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
+    generation_config: str = _opt("auto", "where sampling defaults and end tokens come from: 'auto' = the model "
+                                          "folder's generation_config.json (as vLLM), 'vllm' = none, or a folder "
+                                          "holding one")
 
 
 @dataclass(frozen=True)
@@ -159,6 +162,8 @@ class SpeculativeConfig:
         return replace(self, speculative_num_draft_tokens=n, speculative_calibration_s=float(budget),
                        speculative_draft_model_quantization=quantization)
 
+
+GENERATION_CONFIG = "generation_config.json"
 
 SECTIONS = {
     "model": ModelConfig,
@@ -316,8 +321,12 @@ class EngineConfig:
             raise ConfigError("attention_backend 'triton' needs device 'cuda'")
         execution = replace(execution, attention_backend=backend,
                             cuda_graph_max_bs=execution.cuda_graph_max_bs or self.scheduler.max_num_seqs)
+        generation = m.generation_config
+        if generation not in ("auto", "vllm") and not os.path.isfile(os.path.join(generation, GENERATION_CONFIG)):
+            raise ConfigError(f"generation_config {generation!r} is not a folder holding {GENERATION_CONFIG} "
+                              f"(or 'auto', 'vllm')")
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
-                            max_model_len=max_len)
+                            max_model_len=max_len, generation_config=model if generation == "auto" else generation)
         spec = self.speculative
         if spec.speculative_algorithm is None and m.model is None and machine.default_draft is not None:
             spec = replace(spec, speculative_algorithm="EAGLE3")  # the shipped pair speculates by default

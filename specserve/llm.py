@@ -18,7 +18,8 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
                  ) -> list[RequestOutput]:
-        """Generate for every prompt; returns one finished output per prompt, in order.
+        """Generate for every prompt; returns one finished output per prompt, in order. Without
+        sampling_params, the model's sampling defaults (its generation_config.json) apply.
 
         Every prompt is validated before any work starts, so one bad prompt fails the call cleanly.
         """
@@ -26,7 +27,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.engine.default_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         engine = self.engine

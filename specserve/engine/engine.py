@@ -12,7 +12,7 @@ import torch
 
 from ..config import EngineConfig
 from ..device import to_device
-from ..models import ArchConfig, read_config
+from ..models import ArchConfig, GenerationDefaults, read_config
 from ..sampling_params import SamplingParams
 from ..speculative.batch_verify import process_drafts
 from ..speculative.decoder import LoopFlight, SpecDecoder
@@ -96,7 +96,11 @@ class LLMEngine:
         self.config = config = resolve_config(config)
         self.arch = ArchConfig.from_dict(read_config(config.model.model))
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.eos_token_ids = set(self.arch.eos_token_ids)
+        self.generation = GenerationDefaults.read(config.model.generation_config)
+        if self.generation.sampling:
+            log.info("sampling defaults from generation_config.json (a request's own values win): %s",
+                     self.generation.sampling)
+        self.eos_token_ids = set(self.arch.eos_token_ids) | set(self.generation.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner = ModelRunner(config, self.arch)  # under tensor parallelism: starts the other ranks
@@ -150,6 +154,11 @@ class LLMEngine:
         return self.spec.aux_layers if self.spec is not None else ()
 
     # ---- requests -----------------------------------------------------------------------------
+    def default_params(self, **options) -> SamplingParams:
+        """SamplingParams with these options, the model's sampling defaults (generation_config.json) for the
+        others it names, SamplingParams' own for the rest."""
+        return SamplingParams(**{**self.generation.sampling, **options})
+
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -162,7 +171,7 @@ class LLMEngine:
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                     request_id: Optional[str] = None) -> Sequence:
         """Validate and queue a request. Raises RequestError (or ValueError for params) before any work."""
-        params = params or SamplingParams()
+        params = params or self.default_params()
         params.validate()
         params.check_token_ids(self.arch.vocab_size)
         ids = self.tokenize(prompt)

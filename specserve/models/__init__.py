@@ -1,9 +1,9 @@
 """Model families specserve runs: registry.MODELS maps a checkpoint's architecture to its class, which
 implements interface.CausalLM."""
-from .config import ARCHITECTURES, ArchConfig, UnsupportedModel, read_config
+from .config import ARCHITECTURES, ArchConfig, GenerationDefaults, UnsupportedModel, read_config
 from .interface import CausalLM
 from .loader import WeightError, load_model
 from .registry import MODELS, model_class
 
-__all__ = ["ARCHITECTURES", "MODELS", "ArchConfig", "CausalLM", "UnsupportedModel", "WeightError", "load_model",
-           "model_class", "read_config"]
+__all__ = ["ARCHITECTURES", "MODELS", "ArchConfig", "CausalLM", "GenerationDefaults", "UnsupportedModel",
+           "WeightError", "load_model", "model_class", "read_config"]

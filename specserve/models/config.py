@@ -1,9 +1,10 @@
-"""The parts of a Hugging Face config.json that the model code needs, read without transformers."""
+"""The parts of a Hugging Face config.json that the model code needs, and of generation_config.json that
+sampling needs, read without transformers."""
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .registry import MODELS
@@ -78,8 +79,6 @@ class ArchConfig(DecoderShape):
             raise UnsupportedModel(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
                                    f"specserve runs {', '.join(ARCHITECTURES)}")
         default_bias, qk_norm = ARCHITECTURES[arch]
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             **DecoderShape.fields_from(cfg),
             architecture=arch,
@@ -87,9 +86,40 @@ class ArchConfig(DecoderShape):
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", default_bias),
             qk_norm=qk_norm,
-            eos_token_ids=eos,
+            eos_token_ids=_token_ids(cfg.get("eos_token_id")),
             raw=cfg,
         )
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """An eos_token_id entry (an id, a list of them, or none) as a tuple."""
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+
+
+# generation_config.json name -> SamplingParams name, for the sampling defaults vLLM also takes from it
+GENERATION_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """What a model's generation_config.json asks of generation: more end tokens (Llama 3 instruct models end
+    their turns with one config.json does not name), and the sampling a request gets for what it leaves out
+    (SamplingParams names)."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    sampling: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, folder: Optional[str]) -> "GenerationDefaults":
+        """From folder's generation_config.json; none without a folder ('vllm') or the file."""
+        path = os.path.join(folder, "generation_config.json") if folder not in (None, "vllm") else None
+        if path is None or not os.path.isfile(path):
+            return cls()
+        with open(path) as f:
+            cfg = json.load(f)
+        sampling = {ours: cfg[theirs] for theirs, ours in GENERATION_SAMPLING.items() if cfg.get(theirs) is not None}
+        return cls(_token_ids(cfg.get("eos_token_id")), sampling)
 
 
 def read_config(folder: str) -> dict:

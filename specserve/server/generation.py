@@ -72,8 +72,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     """Check the prompt, the stop token ids and logit_bias's token ids against the vocabulary, the output
     length against max_model_len; build the request's SamplingParams.
 
-    Without max_tokens a request may use `default_max_tokens` or, when None, all the room left. `structured`:
-    StructuredOutputsParams' arguments (default: the request's own constraint, `structured_options`).
+    Without max_tokens a request may use `default_max_tokens` or, when None, the model's max_new_tokens
+    (generation_config.json) or all the room left. What else the request leaves out takes the model's
+    sampling defaults. `structured`: StructuredOutputsParams' arguments (default: the request's own
+    constraint, `structured_options`).
     """
     core = engine.engine
     try:
@@ -83,14 +85,15 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     _check_token_ids(req, core.arch.vocab_size)
     max_len = core.config.model.max_model_len
     room = max_len - len(prompt_ids)
+    defaults = core.generation.sampling
     if max_tokens is None:
-        max_tokens = min(room, default_max_tokens or room)
+        max_tokens = min(room, default_max_tokens or defaults.get("max_tokens") or room)
     elif max_tokens > room:
         raise bad_request(f"max_tokens {max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds "
                           f"max_model_len {max_len}: ask for at most {room}", "max_tokens")
     if (req.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
-    options = req.sampling_options(max_tokens, logprobs)
+    options = req.sampling_options(max_tokens, logprobs, defaults)
     structured = req.structured_options() if structured is None else structured
     try:
         if structured is not None:

@@ -312,17 +312,17 @@ class SamplingRequest(_Strict):
             return {"json": fmt.json_schema.json_schema}
         return None
 
-    def sampling_options(self, max_tokens: int, logprobs: Optional[int]) -> dict[str, Any]:
-        """SamplingParams' keyword arguments for this request (`logit_bias` with int keys)."""
-        options = dict(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens,
-            stop=self.stop or [], stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
-        penalties = dict(repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                         frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
-        options.update((k, v) for k, v in penalties.items() if v is not None)
+    def sampling_options(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict] = None
+                         ) -> dict[str, Any]:
+        """SamplingParams' keyword arguments for this request (`logit_bias` with int keys); `defaults`: the
+        model's sampling defaults (SamplingParams names), for the fields the request leaves out."""
+        options = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
+        options.update((k, v) for k, v in sampling.items() if v is not None)
+        options.update(seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
+                       stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs)
         if self.logit_bias is not None:
             options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return options
