@@ -26,6 +26,8 @@ def _opt(default, help: str, choices: tuple | None = None):
 class ModelConfig:
     model: Optional[str] = _opt(None, "Hugging Face checkpoint folder (default: the shipped default model)")
     tokenizer: Optional[str] = _opt(None, "tokenizer folder (default: the model folder)")
+    chat_template: Optional[str] = _opt(None, "a Jinja chat template, or a file holding one, in place of the "
+                                              "tokenizer's (chat requests, /tokenize, generate --chat)")
     dtype: str = _opt("auto", "weights and activations dtype", ("auto", "float32", "bfloat16", "float16"))
     device: str = _opt("auto", "device to run on", ("auto", "cpu", "cuda"))
     load_format: str = _opt("safetensors", "where weights come from", ("safetensors", "dummy"))

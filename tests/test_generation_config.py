@@ -1,6 +1,7 @@
-"""A model's generation_config.json, read as vLLM reads it: its eos_token_id ends requests too (Llama 3 instruct
-models end turns with a token config.json does not name), and its sampling fields are the defaults of what a
-request leaves out, offline and through the server; `generation_config='vllm'` ignores the file."""
+"""What a model folder says about generation, and vLLM's options over it. generation_config.json, read as vLLM
+reads it: its eos_token_id ends requests too (Llama 3 instruct models end turns with a token config.json does
+not name), and its sampling fields are the defaults of what a request leaves out, offline and through the
+server; `generation_config='vllm'` ignores the file. `chat_template` replaces the tokenizer's template."""
 from __future__ import annotations
 
 import contextlib
@@ -83,3 +84,24 @@ def test_the_server_takes_them_for_what_a_request_leaves_out(folder, greedy, tmp
 def test_a_folder_without_one_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="generation_config"):
         make_llm(None, generation_config=str(tmp_path))
+
+
+TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}"
+            "{% if add_generation_prompt %}A:{% endif %}")
+
+
+def test_a_chat_template_replaces_the_tokenizers(folder, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    with contextlib.closing(serving(tmp_path / "server.log", "--model", folder, "--speculative-algorithm", "none",
+                                    "--chat-template", str(path))) as server:
+        srv = next(server)
+        llm = make_llm(folder, speculative_algorithm="none", chat_template=TEMPLATE)
+        want = llm.tokenizer.encode("<<user: hi>>A:", add_special_tokens=False)
+        assert llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            "<<user: hi>>A:"
+        r = srv.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+        assert r.usage.prompt_tokens == len(want)
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        make_llm(folder, chat_template=str(tmp_path / "missing.jinja"))

@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..device import to_device
 from ..models import ArchConfig, GenerationDefaults, read_config
 from ..sampling_params import SamplingParams
@@ -80,13 +80,24 @@ class RequestOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
 
 
-def load_tokenizer(folder: str):
-    """The folder's Hugging Face tokenizer, or None when it has none (token-id prompts only)."""
+def load_tokenizer(folder: str, chat_template: Optional[str] = None):
+    """The folder's Hugging Face tokenizer, or None when it has none (token-id prompts only); chat_template (a
+    template or a file holding one) replaces its own."""
     if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        if chat_template is not None:
+            raise ConfigError(f"chat_template given, but {folder!r} has no tokenizer to render it with")
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if chat_template is not None:
+        if os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                chat_template = f.read()
+        elif "{" not in chat_template:
+            raise ConfigError(f"chat_template {chat_template!r} is neither a file nor a Jinja template")
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 class LLMEngine:
@@ -95,7 +106,7 @@ class LLMEngine:
 
         self.config = config = resolve_config(config)
         self.arch = ArchConfig.from_dict(read_config(config.model.model))
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.chat_template)
         self.generation = GenerationDefaults.read(config.model.generation_config)
         if self.generation.sampling:
             log.info("sampling defaults from generation_config.json (a request's own values win): %s",
