@@ -68,9 +68,10 @@ class SamplingParams:
     `logprobs` asks for the log-probability of each sampled token plus that many top alternatives
     (0: the sampled token only); `prompt_logprobs` the same for every prompt token after the first (of the
     model's raw distribution; the request then computes its whole prompt, cached blocks or not). Stop
-    strings are removed from the returned text. `seed` (any integer, taken mod 2^64) makes sampling
-    reproducible: the token at each sequence index is a function of the seed, that index and the logits
-    only (`layers.sampler.seeded_tokens`), with or without speculation.
+    strings are removed from the returned text (kept with `include_stop_str_in_output`), and special tokens
+    (`<|im_end|>`, ...) have no text (they do with `skip_special_tokens` false). `seed` (any integer, taken
+    mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the seed, that
+    index and the logits only (`layers.sampler.seeded_tokens`), with or without speculation.
 
     Logits processors, applied before temperature and the filters, in plain sampling and at every draft
     node of a verify alike (`layers.logits_processors`):
@@ -104,6 +105,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
@@ -153,6 +156,9 @@ class SamplingParams:
                 bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         self._validate_guided(bad)

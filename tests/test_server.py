@@ -330,6 +330,21 @@ def test_stop_strings_and_seeds(client, llm):
 
     assert sampled(7) == sampled(7)
     assert len({sampled(7), sampled(8), sampled(9)}) > 1
+    for stream in (False, True):  # vLLM's include_stop_str_in_output keeps the stop string
+        extra = {"ignore_eos": True, "include_stop_str_in_output": True}
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop],
+                                      stream=stream, extra_body=extra)
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == cut + stop
+
+
+def test_special_tokens_are_skipped_unless_asked_for(client, llm):
+    special = llm.tokenizer.convert_tokens_to_ids(llm.tokenizer.eos_token)
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, logit_bias={str(special): 100})
+    r = client.completions.create(extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == "" and r.usage.completion_tokens == 3
+    r = client.completions.create(extra_body={"ignore_eos": True, "skip_special_tokens": False}, **kw)
+    assert r.choices[0].text == llm.tokenizer.eos_token * 3
 
 
 def test_logprobs(client, llm):

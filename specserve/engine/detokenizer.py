@@ -33,12 +33,14 @@ class IncrementalDetokenizer:
     H200's host at 30 requests a step, the wrapper took ~30% of a plain engine's host time).
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, window: int = 6):
+    def __init__(self, tokenizer, prompt_ids: list[int] | None = None, window: int = 6,
+                 skip_special_tokens: bool = True):
         tail = list(prompt_ids[-window:]) if prompt_ids else []  # the prompt's last tokens: context
         self.tokenizer = tokenizer
         self.text = ""
+        self.skip_special_tokens = skip_special_tokens
         self._backend = stream_backend(tokenizer)
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) if self._backend is not None else None
         # the window path's state: ids re-decoded from prefix_offset, text emitted up to read_offset
         self.ids: list[int] = [] if self._stream is not None else tail
         self.prefix_offset, self.read_offset = 0, len(self.ids)
@@ -47,7 +49,7 @@ class IncrementalDetokenizer:
                 self._step(token_id)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _step(self, token_id: int) -> Optional[str]:
         try:
@@ -57,7 +59,7 @@ class IncrementalDetokenizer:
         except Exception as e:
             if not str(e).startswith(_INVALID_PREFIX):
                 raise
-            self._stream = DecodeStream(skip_special_tokens=True)
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
             return self._stream.step(self._backend, token_id)
 
     def add(self, token_id: int) -> str:

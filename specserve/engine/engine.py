@@ -190,7 +190,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer is not None else None
+        detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens) \
+            if self.tokenizer is not None else None
         # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
         seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok)
         self.requests[request_id] = seq

@@ -118,10 +118,11 @@ class Sequence:
     def _truncate_at_stop_string(self, num_new_chars: int) -> bool:
         longest = max(len(s) for s in self.params.stop)
         start = max(0, len(self.text) - num_new_chars - longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.params.stop) if i >= 0]
+        hits = [(i, -len(s)) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[:min(hits)]
+        at, minus_length = min(hits)  # the first stop string, the longest of those starting there
+        self.text = self.text[:at - minus_length if self.params.include_stop_str_in_output else at]
         return True
 
     def finish(self, reason: str) -> None:

@@ -245,6 +245,8 @@ class SamplingRequest(_Strict):
                                                 description="> 1 discourages repeats; the range keeps logits finite")
     min_tokens: Optional[Annotated[int, Field(ge=0, description="at most max_tokens (16 by default for "
                                                                "completions)"), BeforeValidator(_whole)]] = None
+    include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
+    skip_special_tokens: bool = Field(True, description="false: special tokens (<|im_end|>, ...) appear in the text")
     use_beam_search: Optional[Literal[False]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
@@ -322,7 +324,9 @@ class SamplingRequest(_Strict):
                         frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
         options.update((k, v) for k, v in sampling.items() if v is not None)
         options.update(seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
-                       stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs)
+                       stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
+                       include_stop_str_in_output=self.include_stop_str_in_output,
+                       skip_special_tokens=self.skip_special_tokens)
         if self.logit_bias is not None:
             options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         return options
