@@ -290,6 +290,21 @@ def test_tokenize_and_detokenize(server, client, llm):
     assert r.status_code == 401
 
 
+def test_an_assistant_message_continued(server, client, llm):
+    """vLLM's continue_final_message (with add_generation_prompt false): the output continues the last
+    message, an assistant's, rendered open."""
+    messages = [{"role": "user", "content": "Sort a list."}, {"role": "assistant", "content": "def sort(xs):"}]
+    text = llm.tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    assert text.endswith("def sort(xs):")
+    [ref] = llm.generate([llm.tokenizer.encode(text, add_special_tokens=False)], greedy(12))
+    extra = {"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].message.content == ref.text and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    r = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=30,
+                   json={"messages": messages, "max_tokens": 2, "continue_final_message": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def test_streaming_with_usage_equals_non_streamed(client):
     kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt=PROMPTS[4], **kw)

@@ -102,16 +102,17 @@ def _delta_fields(delta: ChatDelta) -> dict:
     return fields
 
 
-def render_prompt(tokenizer, req: ChatTemplateInput, then: str = "", add_generation_prompt: bool = True
-                  ) -> list[int]:
+def render_prompt(tokenizer, req: ChatTemplateInput, then: str = "") -> list[int]:
     """The messages (and tools) through the tokenizer's chat template, followed by `then` (the start of
     the answer), as token ids."""
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    if req.continue_final_message and (req.add_generation_prompt or req.messages[-1].role != "assistant"):
+        raise bad_request("continue_final_message needs add_generation_prompt false and an assistant message "
+                          "last", "continue_final_message")
     try:
-        text = tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(),
-                                             add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **(req.chat_template_kwargs or {}))
+        text = tokenizer.apply_chat_template(req.template_messages(), tools=req.template_tools(), tokenize=False,
+                                             **req.template_options())
     except (TemplateError, ValueError, TypeError) as e:
         raise bad_request(f"the chat template could not render these messages: {e}", "messages") from None
     return tokenizer.encode(text + then, add_special_tokens=False)  # the template wrote any special tokens itself

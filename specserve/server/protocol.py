@@ -417,7 +417,12 @@ class NamedToolChoice(_Strict):
 
 
 class ChatTemplateInput:
-    """What a chat template renders: `messages` and `tools` (a request model's fields)."""
+    """What a chat template renders: `messages` and `tools`, with `add_generation_prompt`,
+    `continue_final_message` and `chat_template_kwargs` (a request model's fields)."""
+
+    def template_options(self) -> dict[str, Any]:
+        return dict(add_generation_prompt=self.add_generation_prompt,
+                    continue_final_message=self.continue_final_message, **(self.chat_template_kwargs or {}))
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -440,6 +445,10 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
                           "(of one of the tools, or of that function) and comes back as tool_calls")
     parallel_tool_calls: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_generation_prompt: bool = Field(True, description="end the prompt with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="the last message (the assistant's) is left open for "
+                                                            "the output to continue (with add_generation_prompt "
+                                                            "false)")
     functions: None = None
     function_call: None = None
 
@@ -480,6 +489,7 @@ class TokenizeRequest(_Strict, ChatTemplateInput):
     add_special_tokens: Optional[bool] = Field(None, description="default: true for a prompt (as /v1/completions), "
                                                                  "false for messages (the template writes them)")
     add_generation_prompt: bool = Field(True, description="messages: end with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="messages: leave the last one open")
     tools: Optional[list[Tool]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     return_token_strs: bool = Field(False, description="also each token's string (the tokenizer's own spelling)")

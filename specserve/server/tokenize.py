@@ -17,7 +17,7 @@ async def tokenize(request: Request, state: ServerState) -> JSONResponse:
     engine, req = await parse_request(request, state, TokenizeRequest)
     tokenizer = _tokenizer(engine)
     if req.messages is not None:
-        ids = render_prompt(tokenizer, req, add_generation_prompt=req.add_generation_prompt)
+        ids = render_prompt(tokenizer, req)
         if req.add_special_tokens:
             ids = tokenizer.build_inputs_with_special_tokens(ids)
     else:
