@@ -121,7 +121,8 @@ def model(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model):
     yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model,
-                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", api_key=API_KEY)
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--allowed-origins",
+                       "http://ui.example, http://other.example", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,18 @@ def test_health_models_metrics_and_keys(server, client):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_pages_of_allowed_origins_may_call_it(server):
+    """CORS (--allowed-origins): a browser's preflight (no API key) and the call after it."""
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    r = httpx.options(server.url + "/v1/completions", headers=preflight, timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ui.example"
+    r = httpx.options(server.url + "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/v1/models", headers={**server.headers, "Origin": "http://other.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://other.example"
 
 
 def test_prefix_cache_hits_reach_metrics_and_server_info(server, client):

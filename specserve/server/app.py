@@ -6,6 +6,7 @@ import logging
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -129,6 +130,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app.add_exception_handler(Exception, _on_unexpected)
     app.add_middleware(BodyLimit, max_bytes=state.options.max_body_bytes)
     app.add_middleware(ApiKey, api_key=state.options.api_key, open_paths=OPEN_PATHS)
+    if state.options.origins:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=state.options.origins, allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.server = state
     created = int(time.time())
 

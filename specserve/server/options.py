@@ -33,6 +33,12 @@ class ServerOptions:
     max_body_bytes: int = _opt(4 * 2**20, "largest request body accepted; larger ones get 413")
     strict_request_fields: bool = _opt(False, "refuse unknown request fields with 400 (default: ignore them, "
                                               "with a warning naming them, as vLLM does)")
+    allowed_origins: Optional[str] = _opt(None, "comma-separated origins whose web pages may call the API (CORS; "
+                                                "'*' for any); none by default")
+
+    @property
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
