@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from specserve import LLM, SamplingParams  # noqa: E402
+from specserve import LLM, SamplingParams, __version__  # noqa: E402
 from specserve.assets import make_tiny_checkpoint  # noqa: E402
 from specserve.bench.server_process import free_port  # noqa: E402
 
@@ -152,6 +152,7 @@ def metric(text: str, name: str) -> float:
 # ---- serving ------------------------------------------------------------------------------------
 def test_health_models_metrics_and_keys(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # open without a key
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
     [card] = client.models.list().data
     assert card.id == MODEL and card.max_model_len == 1024
     text = httpx.get(server.url + "/metrics").text  # open without a key

@@ -33,13 +33,14 @@ from .protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    Version,
 )
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json", "/docs")  # no API key needed
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # no API key needed
 # the routes read them from the raw request
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk)  # the JSON of streamed events
@@ -145,6 +146,10 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def health() -> JSONResponse:
         status, body = state.health()
         return JSONResponse(body, status_code=status, headers=retry_after(status))
+
+    @app.get("/version", response_model=Version)
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:

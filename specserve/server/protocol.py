@@ -600,6 +600,10 @@ class TokenizeResponse(_Response):
     token_strs: Optional[list[str]] = _sometimes("with return_token_strs")
 
 
+class Version(_Response):
+    version: str
+
+
 class DetokenizeResponse(_Response):
     prompt: str
 
