@@ -7,6 +7,7 @@ streams end cleanly and the process exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -561,6 +562,28 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
 
 
 # ---- shutdown -----------------------------------------------------------------------------------
+def test_llama3_json_tool_calls(tmp_path, model):
+    """--tool-call-parser llama3_json: an output that is Llama 3.1's call JSON (made so here by a schema, as a
+    random model writes none) comes back as tool_calls, streamed or not."""
+    call = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}},
+        "required": ["name", "parameters"]}
+    tools = [{"type": "function", "function": {"name": "add", "parameters": call["properties"]["parameters"]}}]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "add"}], tools=tools, max_tokens=40, temperature=0,
+              extra_body={"guided_json": call})
+    with contextlib.closing(serving(tmp_path / "server.log", "--model", model, "--tool-call-parser",
+                                    "llama3_json")) as server:
+        client = next(server).client()
+        r = client.chat.completions.create(**kw)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content is None
+        [tool_call] = message.tool_calls
+        assert tool_call.function.name == "add" and 0 <= json.loads(tool_call.function.arguments)["a"] <= 9
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        args = "".join(t.function.arguments or "" for c in chunks for t in c.delta.tool_calls or [])
+        assert args == tool_call.function.arguments and chunks[-1].finish_reason == "tool_calls"
+
+
 def test_sigterm_drains_then_aborts_and_exits_0(tmp_path, model):
     """One running stream and two queued ones fill the server (a fourth request gets 429). After SIGTERM
     new requests get 503; the running client leaves, so the first queued stream runs and finishes; the

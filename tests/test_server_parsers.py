@@ -23,7 +23,7 @@ def chunkings(text: str, n: int = 30, seed: int = 0):
         yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-def parse_streamed(pieces: list[str], reasoning=None, tools=False) -> tuple[ParsedMessage, list]:
+def parse_streamed(pieces: list[str], reasoning=None, tools=None) -> tuple[ParsedMessage, list]:
     parser = ChatOutputParser(reasoning, tools)
     message, deltas = ParsedMessage(), []
     for piece in pieces:
@@ -36,7 +36,7 @@ def parse_streamed(pieces: list[str], reasoning=None, tools=False) -> tuple[Pars
     return message, deltas
 
 
-def same_in_every_chunking(text: str, reasoning=None, tools=False) -> ParsedMessage:
+def same_in_every_chunking(text: str, reasoning=None, tools=None) -> ParsedMessage:
     whole = parse_message(ChatOutputParser(reasoning, tools), text)
     for pieces in chunkings(text):
         got, _ = parse_streamed(pieces, reasoning, tools)
@@ -75,7 +75,7 @@ def test_reasoning(style, text, reasoning, content):
 def test_one_tool_call():
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n'
             '</tool_call>')
-    message = same_in_every_chunking(text, tools=True)
+    message = same_in_every_chunking(text, tools="hermes")
     assert message.content == "Let me look."
     [call] = message.tool_calls
     assert call["name"] == "get_weather"
@@ -87,7 +87,7 @@ def test_two_calls_nested_arguments_and_tricky_strings():
     args = {"q": "a } in a string, a \"quote\" and </tool", "nested": {"list": [1, {"x": "]"}]}}
     text = (f'<tool_call>{{"name": "search", "arguments": {json.dumps(args)}}}</tool_call>\n'
             '<tool_call>{"arguments": {"n": 2}, "name": "second"}</tool_call>\n')
-    message = same_in_every_chunking(text, tools=True)
+    message = same_in_every_chunking(text, tools="hermes")
     assert message.content == ""
     assert [c["name"] for c in message.tool_calls] == ["search", "second"]
     assert [json.loads(c["arguments"]) for c in message.tool_calls] == [args, {"n": 2}]
@@ -106,14 +106,14 @@ def test_two_calls_nested_arguments_and_tricky_strings():
     ("plain text with <tool but no call \n", "plain text with <tool but no call \n", []),
 ])
 def test_tool_call_edge_cases(text, content, calls):
-    message = same_in_every_chunking(text, tools=True)
+    message = same_in_every_chunking(text, tools="hermes")
     assert message.content == content
     assert [(c["name"], c["arguments"]) for c in message.tool_calls] == calls
 
 
 def test_streaming_sends_the_name_first_then_argument_fragments():
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    _, deltas = parse_streamed([text[i:i + 4] for i in range(0, len(text), 4)], tools=True)
+    _, deltas = parse_streamed([text[i:i + 4] for i in range(0, len(text), 4)], tools="hermes")
     pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
     first = pieces[0].to_openai()
     assert first["type"] == "function" and first["id"].startswith("call_")
@@ -126,7 +126,39 @@ def test_streaming_sends_the_name_first_then_argument_fragments():
 
 def test_reasoning_then_tool_call():
     text = '<think>I need the weather.</think>\n\n<tool_call>{"name": "w", "arguments": {"c": "Oslo"}}</tool_call>'
-    message = same_in_every_chunking(text, reasoning="qwen3", tools=True)
+    message = same_in_every_chunking(text, reasoning="qwen3", tools="hermes")
     assert message.reasoning == "I need the weather."
     assert message.content == ""
     assert [(c["name"], c["arguments"]) for c in message.tool_calls] == [("w", '{"c": "Oslo"}')]
+
+
+# ---- llama3_json --------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, content, calls", [
+    # one call, Llama 3.1's own key ("parameters"), with or without <|python_tag|> and whitespace before it
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", '{"city": "Paris"}')]),
+    ('<|python_tag|>{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ('\n  {"name": "f", "arguments": {"a": "}"}}', "", [("f", '{"a": "}"}')]),
+    # several, separated by ";"
+    ('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": [1, {"y": 2}]}}', "",
+     [("a", "{}"), ("b", '{"x": [1, {"y": 2}]}')]),
+    # not a call: text, or text that merely mentions JSON later
+    ("The weather is fine.", "The weather is fine.", []),
+    ('Use {"name": "f"} next time', 'Use {"name": "f"} next time', []),
+    ("<|py", "<|py", []),
+    # an object without a name is content; text after the calls is content; a cut-off call still reports
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "f", "parameters": {}} and then', "and then", [("f", "{}")]),
+    ('{"name": "f", "parameters": {"a": [1, 2', "", [("f", '{"a": [1, 2')]),
+])
+def test_llama3_json_calls(text, content, calls):
+    message = same_in_every_chunking(text, tools="llama3_json")
+    assert message.content == content
+    assert [(c["name"], c["arguments"]) for c in message.tool_calls] == calls
+
+
+def test_llama3_json_streams_the_name_first_then_argument_fragments():
+    text = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'
+    _, deltas = parse_streamed([text[i:i + 5] for i in range(0, len(text), 5)], tools="llama3_json")
+    pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
+    assert pieces[0].to_openai()["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(pieces) > 3 and "".join(p.arguments for p in pieces[1:]) == '{"city": "Paris", "unit": "C"}'

@@ -25,10 +25,11 @@ class ChatFormatter(Formatter):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def __init__(self, *args, reasoning_parser: Optional[str], tools: bool, guided: bool = False,
+    def __init__(self, *args, reasoning_parser: Optional[str], tools: Optional[str], guided: bool = False,
                  frame: Optional[ForcedToolCall] = None, **kwargs):
-        """guided: the output is constrained from its first token, so it holds no reasoning (and is not
-        read for any); frame: the framing of a forced tool call."""
+        """tools: the tool-call parser that reads the output (None: none); guided: the output is constrained
+        from its first token, so it holds no reasoning (and is not read for any); frame: the framing of a
+        forced tool call (hermes, whatever the server's parser)."""
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
         self.guided = guided
@@ -131,8 +132,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                              {"json": frame.schema} if frame else None)
     await check_grammar(engine.tokenizer, params, guided_param(req))
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
+    parser = "hermes" if frame is not None else (state.options.tool_call_parser if tools else None)
     formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
-                                reasoning_parser=state.options.reasoning_parser, tools=tools, guided=params.guided,
+                                reasoning_parser=state.options.reasoning_parser, tools=parser, guided=params.guided,
                                 frame=frame)
                   for index in range(req.num_choices)]
     return await respond(request, state, req, [(prompt_ids, params)], formatters)

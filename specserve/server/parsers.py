@@ -1,5 +1,6 @@
 """Parsers that split chat output text as it streams: reasoning (`<think>...</think>`) and tool calls
-(hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`).
+(hermes `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; llama3_json `{"name": ..., "parameters":
+{...}}` objects, Llama 3.1-3.3's).
 
 Each parser takes text in arbitrary pieces (`feed`) and returns what each piece adds; text that might be
 the start of a tag is held back until the next piece decides, and `finish` flushes it. A non-streamed
@@ -138,9 +139,11 @@ class ToolDelta:
 
 class _CallScanner:
     """Reads one tool-call JSON object as it arrives: its top-level "name" string, and the raw text of its
-    top-level "arguments" value (which can be sent as it grows when it is an object or an array)."""
+    top-level arguments value (key one of `args_keys`; it can be sent as it grows when it is an object or an
+    array)."""
 
-    def __init__(self):
+    def __init__(self, args_keys: tuple[str, ...] = ("arguments",)):
+        self.args_keys = args_keys
         self.text = ""
         self.depth = 0
         self.in_string = False
@@ -174,7 +177,7 @@ class _CallScanner:
                 if self.string_start is not None:
                     self._top_level_string(i)
             return
-        if self.depth == 1 and self.after_colon and self.key == "arguments" and self.args_start is None \
+        if self.depth == 1 and self.after_colon and self.key in self.args_keys and self.args_start is None \
                 and not c.isspace():
             self.args_start = i
         if c == '"':
@@ -203,7 +206,7 @@ class _CallScanner:
             self.key = value
         elif self.key == "name" and self.name is None:
             self.name = value
-        elif self.key == "arguments" and self.args_start == self.string_start:
+        elif self.key in self.args_keys and self.args_start == self.string_start:
             self.args_end = end + 1
 
     def arguments(self, final: bool) -> str:
@@ -224,20 +227,40 @@ class _CallScanner:
         return raw.strip()
 
 
-class HermesToolParser:
-    """Turns `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks into tool calls.
-
-    A call is reported as soon as its name is known (id, type and name first), then its arguments as their
-    JSON text arrives. A block whose name is never found is given back as content, tags included.
-    Whitespace next to tool-call blocks is dropped.
-    """
+class _ToolParser:
+    """What the tool-call parsers share: a call is reported as soon as its name is known (id, type and name
+    first), then its arguments as their JSON text arrives."""
 
     def __init__(self, new_id: Callable[[], str] = lambda: f"call_{uuid.uuid4().hex[:24]}"):
         self.new_id = new_id
+        self.block: Optional[_CallScanner] = None  # the call being read
+        self.num_calls = 0
+
+    def _call_deltas(self, final: bool) -> list[ToolCallDelta]:
+        block = self.block
+        if block.name is None:
+            return []
+        out = []
+        if block.index is None:
+            block.index = self.num_calls
+            self.num_calls += 1
+            out.append(ToolCallDelta(block.index, self.new_id(), block.name))
+        args = block.arguments(final)
+        if len(args) > block.sent:
+            out.append(ToolCallDelta(block.index, arguments=args[block.sent:]))
+            block.sent = len(args)
+        return out
+
+
+class HermesToolParser(_ToolParser):
+    """Turns `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks into tool calls. A block whose
+    name is never found is given back as content, tags included. Whitespace next to tool-call blocks is
+    dropped."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
         self.opener = TagFinder(TOOL_OPEN)
         self.closer = TagFinder(TOOL_CLOSE)
-        self.block: Optional[_CallScanner] = None
-        self.num_calls = 0
         self.trailing_ws = ""  # content whitespace held until we know whether a call follows
         self.ws_before_block = ""
         self.strip_leading = False
@@ -272,21 +295,6 @@ class HermesToolParser:
         self.trailing_ws = ""
         return delta
 
-    def _call_deltas(self, final: bool) -> list[ToolCallDelta]:
-        block = self.block
-        if block.name is None:
-            return []
-        out = []
-        if block.index is None:
-            block.index = self.num_calls
-            self.num_calls += 1
-            out.append(ToolCallDelta(block.index, self.new_id(), block.name))
-        args = block.arguments(final)
-        if len(args) > block.sent:
-            out.append(ToolCallDelta(block.index, arguments=args[block.sent:]))
-            block.sent = len(args)
-        return out
-
     def _end_block(self, delta: ToolDelta, closed: bool) -> None:
         delta.tool_calls += self._call_deltas(final=True)
         block, self.block = self.block, None
@@ -309,6 +317,70 @@ class HermesToolParser:
         return body
 
 
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3JsonToolParser(_ToolParser):
+    """Llama 3.1-3.3's JSON tool calls (vLLM's `llama3_json`): an output that opens, after whitespace and an
+    optional <|python_tag|>, with "{" is JSON objects `{"name": ..., "parameters": {...}}` ("arguments" is
+    read too) separated by ";" and whitespace; any other output is content. An object whose name is never
+    found is given back as content, as is text after the calls."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.state = "opening"  # -> "calls" or "content"
+        self.pending = ""
+
+    def feed(self, text: str) -> ToolDelta:
+        delta = ToolDelta()
+        if self.state == "opening":
+            self.pending += text
+            head = self.pending.lstrip()
+            head = head[len(PYTHON_TAG):].lstrip() if head.startswith(PYTHON_TAG) else head
+            if not head or PYTHON_TAG.startswith(head):  # too short to tell
+                return delta
+            self.state = "calls" if head.startswith("{") else "content"
+            text = head if self.state == "calls" else self.pending
+            self.pending = ""
+        for i, c in enumerate(text):
+            if self.state == "content":
+                delta.content += text[i:]
+                break
+            self._scan(c, delta)
+        return delta
+
+    def _scan(self, c: str, delta: ToolDelta) -> None:
+        if self.block is None:
+            if c.isspace() or c == ";":
+                return
+            if c != "{":
+                self.state = "content"  # text after the calls
+                delta.content += c
+                return
+            self.block = _CallScanner(("parameters", "arguments"))
+        self.block.feed(c)
+        delta.tool_calls += self._call_deltas(final=False)
+        if self.block.depth == 0:
+            self._end_block(delta)
+
+    def _end_block(self, delta: ToolDelta) -> None:
+        delta.tool_calls += self._call_deltas(final=True)
+        block, self.block = self.block, None
+        if block.name is None:
+            delta.content += block.text
+
+    def finish(self) -> ToolDelta:
+        delta = ToolDelta()
+        if self.state == "opening":
+            delta.content, self.pending = self.pending, ""
+        elif self.block is not None:  # cut off inside an object
+            self._end_block(delta)
+        return delta
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+
 # ---- both, for a chat response --------------------------------------------------------------------
 @dataclass
 class ChatDelta:
@@ -327,9 +399,10 @@ class ChatDelta:
 class ChatOutputParser:
     """Reasoning first (when configured), then tool calls in the content (when the request has tools)."""
 
-    def __init__(self, reasoning: Optional[str], tools: bool):
+    def __init__(self, reasoning: Optional[str], tools: Optional[str]):
+        """reasoning, tools: the parsers' names (None: no such parsing)."""
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
-        self.tools = HermesToolParser() if tools else None
+        self.tools = TOOL_PARSERS[tools]() if tools else None
 
     @property
     def num_tool_calls(self) -> int:

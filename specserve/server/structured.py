@@ -31,8 +31,9 @@ from .protocol import ChatCompletionRequest, Tool
 class ForcedToolCall:
     """How a request whose output must be a tool call is framed in the hermes format.
 
-    The tool-call parser (parsers.HermesToolParser, the only one the server has, and the format of the
-    shipped model's chat template) reads `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`.
+    The hermes tool-call parser (parsers.HermesToolParser, the format of the shipped model's chat template;
+    a forced call is read with it whatever --tool-call-parser says) reads
+    `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`.
     The engine's grammar is a JSON schema, so it constrains the JSON inside the block and the tags around
     it are the server's: `prefix` ends the prompt (the model continues a block it has been trained to
     write) and is fed to the parser before the output, `suffix` after it. So a forced call goes through
