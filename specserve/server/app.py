@@ -18,20 +18,17 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
 from .middleware import ApiKey, BodyLimit
-from .protocol import (
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import (
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     Version,
 )
