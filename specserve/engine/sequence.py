@@ -133,7 +133,7 @@ class Sequence:
     def take_new_output(self) -> tuple[list[int], str]:
         """New token ids and text since the last call. Text that may be the start of a stop string is
         held back until the request finishes or the text moves past it."""
-        new_ids = self.output_token_ids[self.num_emitted_tokens:]
+        new_ids = self.token_ids[self.num_prompt_tokens + self.num_emitted_tokens:]
         self.num_emitted_tokens = self.num_output_tokens
         end = len(self.text)
         if not self.finished and self.params.stop:

@@ -44,7 +44,7 @@ class CompletionFormatter(Formatter):
         self.echoed = False  # streamed: the prompt went out with the first chunk
 
     def count(self, out: RequestOutput) -> int:
-        return 0 if self.echo is not None and self.echo.prompt_only else len(out.token_ids)
+        return 0 if self.echo is not None and self.echo.prompt_only else out.num_output_tokens
 
     def chunk(self, out: RequestOutput) -> Optional[dict]:
         text, tokens = out.new_text, new_logprobs(out)

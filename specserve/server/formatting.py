@@ -32,7 +32,7 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
 def new_logprobs(out: RequestOutput) -> list[tuple[int, TokenLogprob]]:
     """(token id, logprob) of the tokens this output added. `out.logprobs` is the request's live list,
     so it is sliced by position, never taken whole."""
-    end = len(out.token_ids)
+    end = out.num_output_tokens
     start = end - len(out.new_token_ids)
     return list(zip(out.new_token_ids, out.logprobs[start:end]))
 
@@ -99,7 +99,7 @@ class Formatter:
 
     def count(self, out: RequestOutput) -> int:
         """The completion tokens this choice's usage counts."""
-        return len(out.token_ids)
+        return out.num_output_tokens
 
 
 def response(formatters: list[Formatter], outs: list[RequestOutput], num_prompt_tokens: int) -> dict:

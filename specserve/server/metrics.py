@@ -165,7 +165,7 @@ class ServerMetrics:
             else:
                 self.itl.observe(now - times.last_token)
             times.last_token = now
-        times.num_output_tokens = len(out.token_ids)
+        times.num_output_tokens = out.num_output_tokens
         if out.finished:
             self._ended(stream, out.finish_reason, now)
 
