@@ -8,6 +8,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.assets import default_draft_path, default_model_path
+from specserve.engine.cuda_graph import GraphRunner
 
 from .conftest import assert_pool_full, make_llm, mixed_prompts
 
@@ -103,3 +104,44 @@ def test_bad_values_are_refused():
     for value in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
             SamplingParams(prompt_logprobs=value)
+
+
+class EagerGraphs:
+    """A stand-in for the CUDA graph runner (graphs need CUDA): `GraphRunner.graph_for`'s own choice over
+    decode graphs of 1-8 rows and mixed graphs of up to 512 tokens, each replayed eagerly, so the runner's
+    graph branch runs on the CPU too."""
+
+    follow = None
+    sizes, mixed_tokens, max_bs = {1: [1, 2, 4, 8]}, (64, 128, 256, 512), 8
+    graph_for, _mixed_for = GraphRunner.graph_for, GraphRunner._mixed_for
+
+    def __init__(self, runner):
+        self.runner, self.replays, self.mixed_replays = runner, 0, 0
+
+    def replay(self, key, step, pending):
+        self.replays += 1
+        self.mixed_replays += key[0] == 0
+        assert not step.prompt_rows, "a step with prompt rows replayed a graph"
+        self.runner.graphs = None
+        try:
+            result = self.runner._model_step(step, ())
+        finally:
+            self.runner.graphs = self
+        return result.logits, None, None
+
+
+def test_a_step_with_prompt_rows_replays_no_graph(prompts):
+    """Chunked prompts (a small budget): steps with the first prompts' chunks take mixed graphs, those with the
+    last one's (it wants prompt logprobs) run eagerly; tokens and logprobs are those of a run without graphs."""
+    llm = make_llm(default_model_path(), speculative_algorithm="none", max_num_batched_tokens=24,
+                   enable_prefix_caching=False)
+    ids = [[t % 4096 for t in p] for p in prompts]
+    params = [SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2 if i == len(ids) - 1 else None)
+              for i in range(len(ids))]
+    want = llm.generate(ids, params)
+    runner = llm.engine.runner
+    runner.graphs = EagerGraphs(runner)
+    got = llm.generate(ids, params)
+    assert runner.graphs.mixed_replays > 0 and runner.graphs.replays > runner.graphs.mixed_replays
+    assert [(o.token_ids, o.prompt_logprobs) for o in got] == [(o.token_ids, o.prompt_logprobs) for o in want]
+    assert len(got[-1].prompt_logprobs) == len(ids[-1])
