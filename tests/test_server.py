@@ -562,23 +562,30 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
 
 
 # ---- shutdown -----------------------------------------------------------------------------------
-def test_llama3_json_tool_calls(tmp_path, model):
-    """--tool-call-parser llama3_json: an output that is Llama 3.1's call JSON (made so here by a schema, as a
-    random model writes none) comes back as tool_calls, streamed or not."""
-    call = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}},
-        "required": ["name", "parameters"]}
-    tools = [{"type": "function", "function": {"name": "add", "parameters": call["properties"]["parameters"]}}]
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "add"}], tools=tools, max_tokens=40, temperature=0,
-              extra_body={"guided_json": call})
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+LLAMA3_CALL = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": ADD},
+               "required": ["name", "parameters"]}
+QWEN3_CODER_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n[0-9]\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("parser, constraint", [("llama3_json", {"guided_json": LLAMA3_CALL}),
+                                                ("qwen3_coder", {"guided_regex": QWEN3_CODER_CALL})])
+def test_tool_calls_of_other_formats(tmp_path, model, parser, constraint):
+    """--tool-call-parser llama3_json / qwen3_coder: an output in Llama 3.1's call JSON or Qwen3-Coder's XML
+    (made so here by a constraint, as a random model writes neither) comes back as tool_calls, streamed or not,
+    the argument an integer as the tool's schema says."""
+    pytest.importorskip("xgrammar")
+    tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "add"}], tools=tools, max_tokens=200, temperature=0,
+              extra_body=constraint)
     with contextlib.closing(serving(tmp_path / "server.log", "--model", model, "--tool-call-parser",
-                                    "llama3_json")) as server:
+                                    parser)) as server:
         client = next(server).client()
         r = client.chat.completions.create(**kw)
         message = r.choices[0].message
         assert r.choices[0].finish_reason == "tool_calls" and message.content is None
         [tool_call] = message.tool_calls
-        assert tool_call.function.name == "add" and 0 <= json.loads(tool_call.function.arguments)["a"] <= 9
+        assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments)["a"] in range(10)
         chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
         args = "".join(t.function.arguments or "" for c in chunks for t in c.delta.tool_calls or [])
         assert args == tool_call.function.arguments and chunks[-1].finish_reason == "tool_calls"

@@ -23,8 +23,8 @@ def chunkings(text: str, n: int = 30, seed: int = 0):
         yield [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
 
 
-def parse_streamed(pieces: list[str], reasoning=None, tools=None) -> tuple[ParsedMessage, list]:
-    parser = ChatOutputParser(reasoning, tools)
+def parse_streamed(pieces: list[str], reasoning=None, tools=None, schemas=None) -> tuple[ParsedMessage, list]:
+    parser = ChatOutputParser(reasoning, tools, schemas)
     message, deltas = ParsedMessage(), []
     for piece in pieces:
         delta = parser.feed(piece)
@@ -36,10 +36,10 @@ def parse_streamed(pieces: list[str], reasoning=None, tools=None) -> tuple[Parse
     return message, deltas
 
 
-def same_in_every_chunking(text: str, reasoning=None, tools=None) -> ParsedMessage:
-    whole = parse_message(ChatOutputParser(reasoning, tools), text)
+def same_in_every_chunking(text: str, reasoning=None, tools=None, schemas=None) -> ParsedMessage:
+    whole = parse_message(ChatOutputParser(reasoning, tools, schemas), text)
     for pieces in chunkings(text):
-        got, _ = parse_streamed(pieces, reasoning, tools)
+        got, _ = parse_streamed(pieces, reasoning, tools, schemas)
         assert (got.reasoning, got.content) == (whole.reasoning, whole.content), pieces
         assert [(c["name"], c["arguments"]) for c in got.tool_calls] == \
                [(c["name"], c["arguments"]) for c in whole.tool_calls], pieces
@@ -162,3 +162,43 @@ def test_llama3_json_streams_the_name_first_then_argument_fragments():
     pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
     assert pieces[0].to_openai()["function"] == {"name": "get_weather", "arguments": ""}
     assert len(pieces) > 3 and "".join(p.arguments for p in pieces[1:]) == '{"city": "Paris", "unit": "C"}'
+
+
+# ---- qwen3_coder --------------------------------------------------------------------------------
+SCHEMAS = [{"type": "function", "function": {"name": "edit", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "scale": {"type": "number"}, "dry": {"type": "boolean"},
+    "opts": {"type": "object"}, "tags": {"type": "array"}}}}}]
+
+
+def xml_call(name: str, **params: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    # values typed by the tool's schema; text keeps its inner newlines and backslashes, unescaped
+    (xml_call("edit", path="a/b.py", line="12", scale="1.5", dry="true", opts='{"x": [1, 2]}', tags='["a"]'), "",
+     [("edit", {"path": "a/b.py", "line": 12, "scale": 1.5, "dry": True, "opts": {"x": [1, 2]}, "tags": ["a"]})]),
+    # (whitespace next to a block is dropped, as for hermes)
+    ("Let me fix it.\n" + xml_call("edit", path='C:\\dir\\"q".py\nsecond line') + "\nDone.", "Let me fix it.Done.",
+     [("edit", {"path": 'C:\\dir\\"q".py\nsecond line'})]),
+    # unknown tool or parameter: text; a value that does not parse as its type: text
+    (xml_call("other", n="7"), "", [("other", {"n": "7"})]),
+    (xml_call("edit", line="twelve", dry="maybe"), "", [("edit", {"line": "twelve", "dry": "maybe"})]),
+    # two calls, no parameters; a block without a function tag is content; a cut-off value still comes back
+    (xml_call("edit") + xml_call("other", k="v"), "", [("edit", {}), ("other", {"k": "v"})]),
+    ("<tool_call>no function</tool_call>", "<tool_call>no function</tool_call>", []),
+    ("<tool_call>\n<function=edit>\n<parameter=path>\nx.py", "", [("edit", {"path": "x.py"})]),
+])
+def test_qwen3_coder_calls(text, content, calls):
+    message = same_in_every_chunking(text, tools="qwen3_coder", schemas=SCHEMAS)
+    assert message.content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in message.tool_calls] == calls
+
+
+def test_qwen3_coder_streams_the_name_then_a_parameter_at_a_time():
+    text = xml_call("edit", path="a.py", line="3")
+    _, deltas = parse_streamed([text[i:i + 3] for i in range(0, len(text), 3)], tools="qwen3_coder", schemas=SCHEMAS)
+    pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
+    assert pieces[0].to_openai()["function"] == {"name": "edit", "arguments": ""}
+    assert [p.arguments for p in pieces[1:]] == ['{"path": "a.py"', ', "line": 3', "}"]

@@ -26,19 +26,20 @@ class ChatFormatter(Formatter):
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, *args, reasoning_parser: Optional[str], tools: Optional[str], guided: bool = False,
-                 frame: Optional[ForcedToolCall] = None, **kwargs):
+                 frame: Optional[ForcedToolCall] = None, schemas: Optional[list[dict]] = None, **kwargs):
         """tools: the tool-call parser that reads the output (None: none); guided: the output is constrained
         from its first token, so it holds no reasoning (and is not read for any); frame: the framing of a
-        forced tool call (hermes, whatever the server's parser)."""
+        forced tool call (hermes, whatever the server's parser); schemas: the request's tools."""
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
         self.guided = guided
         self.tools = tools
         self.frame = frame
+        self.schemas = schemas
         self.parser = self._new_parser()  # the streamed response's
 
     def _new_parser(self):
-        parser = ChatOutputParser(None if self.guided else self.reasoning_parser, self.tools)
+        parser = ChatOutputParser(None if self.guided else self.reasoning_parser, self.tools, self.schemas)
         return FramedOutputParser(parser, self.frame.prefix, self.frame.suffix) if self.frame else parser
 
     # ---- streamed -------------------------------------------------------------------------------
@@ -135,6 +136,6 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     parser = "hermes" if frame is not None else (state.options.tool_call_parser if tools else None)
     formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
                                 reasoning_parser=state.options.reasoning_parser, tools=parser, guided=params.guided,
-                                frame=frame)
+                                frame=frame, schemas=req.template_tools())
                   for index in range(req.num_choices)]
     return await respond(request, state, req, [(prompt_ids, params)], formatters)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from ..config import ConfigError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 

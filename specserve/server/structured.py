@@ -95,8 +95,11 @@ async def check_grammar(tokenizer, params: SamplingParams, param: Optional[str])
     try:
         await asyncio.to_thread(Grammar, params, tokenizer, [])
     except ValueError as e:
-        message = _LOG_PREFIX.sub("", str(e).removeprefix(f"invalid sampling parameter: structured_outputs.{kind}: "))
-        raise bad_request(f"unusable {UNUSABLE[kind]}: {message.strip()}", param) from None
+        message, about = str(e), f"invalid sampling parameter: structured_outputs.{kind}: "
+        if not message.startswith(about):  # not the constraint's fault (xgrammar is not installed)
+            raise bad_request(message.removeprefix("invalid sampling parameter: "), param) from None
+        message = _LOG_PREFIX.sub("", message.removeprefix(about)).strip()
+        raise bad_request(f"unusable {UNUSABLE[kind]}: {message}", param) from None
 
 
 UNUSABLE = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex", "choice": "choice",
