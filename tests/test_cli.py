@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from specserve import ConfigError
 from specserve.assets import make_tiny_checkpoint
 from specserve.cli import build_parser, main
 
@@ -52,6 +53,18 @@ def test_whole_flags_still_parse(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--base-url", "http://x", "stray"])
     assert "unexpected argument 'stray'" in capsys.readouterr().err
+
+
+def test_vllm_and_sglang_tool_flags_parse():
+    """`--enable-auto-tool-choice --tool-call-parser X` as vLLM takes them, SGLang's parser names too."""
+    from specserve.server.options import server_options
+    from specserve.server.tool_parsers import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "qwen25"])
+    assert server_options(args).tool_call_parser == "qwen25" and TOOL_PARSERS["qwen25"] is HermesToolParser
+    assert TOOL_PARSERS["llama3"] is Llama3JsonToolParser
+    with pytest.raises(ConfigError, match="enable_auto_tool_choice needs tool_call_parser"):
+        server_options(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
 
 
 # ---- start-up mistakes ----------------------------------------------------------------------------

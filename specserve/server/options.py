@@ -8,7 +8,8 @@ from typing import Optional
 
 from ..config import ConfigError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+# the parsers (server/tool_parsers.py), and SGLang's names for two of them
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "qwen25", "llama3")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
@@ -26,8 +27,10 @@ class ServerOptions:
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests may run after SIGTERM before abort")
     access_log: bool = _opt(True, "log one line per request: client, method, path, status, duration (on by "
                                   "default, as in uvicorn: --no-access-log turns it off)")
-    tool_call_parser: Optional[str] = _opt(None, "turn tool-call blocks in chat output into tool_calls",
-                                           TOOL_CALL_PARSERS)
+    tool_call_parser: Optional[str] = _opt(None, "turn tool calls in chat output into tool_calls (qwen25 and llama3 "
+                                                 "are SGLang's names for hermes and llama3_json)", TOOL_CALL_PARSERS)
+    enable_auto_tool_choice: bool = _opt(False, "vLLM's flag, accepted: --tool-call-parser alone lets requests "
+                                                "use tool_choice auto here")
     reasoning_parser: Optional[str] = _opt(None, "split <think>...</think> into reasoning_content",
                                            REASONING_PARSERS)
     max_body_bytes: int = _opt(4 * 2**20, "largest request body accepted; larger ones get 413")
@@ -51,6 +54,8 @@ class ServerOptions:
             raise ConfigError(f"option max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key == "":
             raise ConfigError("option api_key may not be empty")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("option enable_auto_tool_choice needs tool_call_parser (which parser reads the calls)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:

@@ -410,4 +410,5 @@ def _typed(raw: str, kind: Optional[str]):
         return text
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser,
+                "qwen25": HermesToolParser, "llama3": Llama3JsonToolParser}  # the last two: SGLang's names
