@@ -320,6 +320,43 @@ def test_an_assistant_message_continued(server, client, llm):
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
 
 
+def test_sglang_generate(server, llm):
+    """SGLang's native POST /generate: one prompt or a list (text or ids), n choices, streamed cumulative text,
+    SGLang's sampling_params names; greedy outputs are the offline engine's."""
+    def post(body: dict, stream: bool = False):
+        r = httpx.post(server.url + "/generate", json=dict(body, stream=stream), headers=server.headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream else \
+            r.json()
+
+    want = llm.generate(PROMPTS[:2], greedy(10))
+    sp = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+    one = post({"text": PROMPTS[0], "sampling_params": sp})
+    assert one["text"] == want[0].text and one["output_ids"] == want[0].token_ids and "index" not in one
+    assert one["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    assert (one["meta_info"]["prompt_tokens"], one["meta_info"]["completion_tokens"]) == (
+        len(want[0].prompt_token_ids), 10)
+    many = post({"input_ids": [w.prompt_token_ids for w in want], "sampling_params": dict(sp, n=2)})
+    assert [(m["index"], m["text"]) for m in many] == list(enumerate(w.text for w in want for _ in range(2)))
+    events = post({"text": PROMPTS[0], "sampling_params": sp}, stream=True)
+    assert events[-1]["text"] == want[0].text and len(events) > 1
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(events, events[1:]))  # cumulative
+    seeded = {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": 3}
+    assert post({"text": PROMPTS[1], "sampling_params": seeded})["text"] == \
+        client_text(server, PROMPTS[1], seed=3, max_tokens=10, temperature=1.0)
+    for body, param in [({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+                        ({"sampling_params": {}}, None), ({"text": ["x", ""]}, "text"),
+                        ({"text": "x", "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens"),
+                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params")]:
+        r = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def client_text(server, prompt: str, **kw) -> str:
+    return server.client().completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True},
+                                              **kw).choices[0].text
+
+
 def test_streaming_with_usage_equals_non_streamed(client):
     kw = dict(model=MODEL, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(prompt=PROMPTS[4], **kw)

@@ -17,6 +17,7 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
+from .generate import generate
 from .middleware import ApiKey, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import (
@@ -173,6 +174,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                                                                   ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @app.post("/generate", responses=_errors(400, 401, 413, 429, 500, 503))
+    async def generate_route(request: Request) -> Response:
+        """SGLang's native generation API (server/generate.py)."""
+        return await generate(request, state)
 
     @app.post("/tokenize", **_tokenizer_docs(TokenizeRequest, TokenizeResponse))
     async def tokenize_route(request: Request) -> Response:

@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from typing import AsyncIterator, Optional, Type, TypeVar, Union
+from typing import AsyncIterator, Callable, Optional, Type, TypeVar, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -122,10 +122,12 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def respond(request: Request, state: ServerState, req: SamplingRequest,
-                  prompts: list[tuple[list[int], SamplingParams]], formatters: list[Formatter]) -> Response:
+                  prompts: list[tuple[list[int], SamplingParams]], formatters: list[Formatter],
+                  body: Callable = response) -> Response:
     """Submit one request per choice (`formatters`: n per prompt, prompt by prompt; `prompts`: each one's
-    token ids and params) and answer: a stream of chunks, or one body once all have finished. The usage
-    counts each prompt once."""
+    token ids and params) and answer: a stream of chunks, or one body once all have finished (`body` of
+    the formatters, the finished outputs and the prompt tokens; OpenAI's by default). The usage counts each
+    prompt once."""
     n, total, response_id = req.num_choices, len(formatters), formatters[0].envelope.id
     if total > state.requests.capacity:
         what, param = (f"n {n}", "n") if len(prompts) == 1 else (f"{len(prompts)} prompts x n {n}", "prompt")
@@ -144,7 +146,7 @@ async def respond(request: Request, state: ServerState, req: SamplingRequest,
     outs = await _finished_or_disconnected(request, streams)
     if outs is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(response(formatters, outs, num_prompt_tokens))
+    return JSONResponse(body(formatters, outs, num_prompt_tokens))
 
 
 async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union[RequestOutput, Exception]]]:
