@@ -21,7 +21,8 @@ def _opt(default, help: str, choices: tuple | None = None):
 class ServerOptions:
     host: str = _opt("127.0.0.1", "address to bind (loopback by default)")
     port: int = _opt(8000, "TCP port to bind")
-    api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on all but /health, /metrics, /version")
+    api_key: Optional[str] = _opt(None, "require `Authorization: Bearer KEY` on all but /health, /metrics, "
+                                        "/version and the API docs")
     served_model_name: Optional[str] = _opt(None, "model name clients send (default: --model as given)")
     max_queued_requests: int = _opt(1024, "requests that may wait beyond max_num_seqs; more get 429")
     shutdown_timeout: float = _opt(30.0, "seconds in-flight requests may run after SIGTERM before abort")
