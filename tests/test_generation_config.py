@@ -17,6 +17,7 @@ from .conftest import make_llm
 from .test_server import MODEL, serving
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Point:"]
 
@@ -69,7 +70,8 @@ def test_the_server_takes_them_for_what_a_request_leaves_out(folder, greedy, tmp
     write(folder, top_k=1, max_new_tokens=7)
     with contextlib.closing(serving(tmp_path / "server.log", "--model", folder, "--speculative-algorithm", "none")
                             ) as server:
-        client = next(server).client()
+        srv = next(server)
+        client = srv.client()
         texts = [client.completions.create(model=MODEL, prompt=p, max_tokens=16, extra_body={"ignore_eos": True})
                  .choices[0].text for p in PROMPTS]
         assert texts == [g.text for g in greedy]
@@ -79,6 +81,9 @@ def test_the_server_takes_them_for_what_a_request_leaves_out(folder, greedy, tmp
         r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 7  # max_new_tokens: chat's default length
+        sglang = httpx.post(srv.url + "/generate", json={"text": PROMPTS[0], "sampling_params": {"ignore_eos": True}},
+                            timeout=60).json()  # SGLang's /generate takes them too
+        assert greedy[0].text.startswith(sglang["text"]) and sglang["meta_info"]["completion_tokens"] == 7
 
 
 def test_a_folder_without_one_is_refused(tmp_path):

@@ -70,13 +70,15 @@ class GenerateRequest(BaseModel):
         return 1
 
 
-def sampling_params(options: dict[str, Any], room: int, param: str) -> tuple[SamplingParams, int]:
-    """SGLang's sampling_params as SamplingParams, and its n."""
+def _sglang_params(options: dict[str, Any], defaults: dict[str, Any], room: int, param: str
+                   ) -> tuple[SamplingParams, int]:
+    """SGLang's sampling_params as SamplingParams (what they leave out: the model's `defaults`, as on /v1/*),
+    and its n."""
     options = dict(options)
     n = options.pop("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise bad_request(f"n must be an integer >= 1, got {n!r}", f"{param}.n")
-    kwargs = {"max_tokens": min(room, DEFAULT_MAX_NEW_TOKENS)}
+    kwargs = {**defaults, "max_tokens": min(room, defaults.get("max_tokens", DEFAULT_MAX_NEW_TOKENS))}
     structured = {}
     for key, value in options.items():
         if value is None or key in IGNORED:
@@ -160,8 +162,8 @@ async def generate(request: Request, state: ServerState) -> Response:
             core.check_prompt(ids)
         except RequestError as e:
             raise bad_request(str(e), param if not req.batched else f"{param}.{i}") from None
-        params, n = sampling_params(opts, core.config.model.max_model_len - len(ids),
-                                    "sampling_params" if not req.batched else f"sampling_params.{i}")
+        params, n = _sglang_params(opts, core.generation.sampling, core.config.model.max_model_len - len(ids),
+                                   "sampling_params" if not req.batched else f"sampling_params.{i}")
         for choice in choice_params(params, n):  # seeded: choice j uses seed + j, as on /v1/*
             jobs.append((ids, choice))
             formatters.append(GenerateFormatter(envelope, len(formatters) if req.batched or n > 1 else None))
