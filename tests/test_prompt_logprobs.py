@@ -16,7 +16,8 @@ TOP = 3
 
 
 def hf_prompt_logprobs(path: str, prompts: list[list[int]], top: int) -> list[list]:
-    """Per prompt: None, then per later token (its logprob, the top (id, logprob) after the tokens before it)."""
+    """Per prompt: None, then per later token (its logprob, the top (id, logprob) after the tokens before it,
+    its rank)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -25,15 +26,15 @@ def hf_prompt_logprobs(path: str, prompts: list[list[int]], top: int) -> list[li
         for p in prompts:
             logp = model(torch.tensor([p])).logits[0].float().log_softmax(-1)  # [L, vocab]
             values, ids = logp.topk(top, dim=-1)
-            out.append([None] + [(logp[i - 1, p[i]].item(), list(zip(ids[i - 1].tolist(), values[i - 1].tolist())))
-                                 for i in range(1, len(p))])
+            out.append([None] + [(logp[i - 1, p[i]].item(), list(zip(ids[i - 1].tolist(), values[i - 1].tolist())),
+                                  int((logp[i - 1] > logp[i - 1, p[i]]).sum()) + 1) for i in range(1, len(p))])
     return out
 
 
 def assert_close(got: list, want: list, top: int = TOP) -> None:
     assert len(got) == len(want) and got[0] is None
-    for g, (logprob, alternatives) in zip(got[1:], want[1:]):
-        assert g.logprob == pytest.approx(logprob, abs=1e-4)
+    for g, (logprob, alternatives, rank) in zip(got[1:], want[1:]):
+        assert g.logprob == pytest.approx(logprob, abs=1e-4) and g.rank == rank
         assert [t for t, _ in g.top] == [t for t, _ in alternatives[:top]]
         assert [v for _, v in g.top] == pytest.approx([v for _, v in alternatives[:top]], abs=1e-4)
 

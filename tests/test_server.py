@@ -277,6 +277,31 @@ def test_echo_returns_the_prompt_and_its_logprobs(client, llm):
     assert text.startswith(prompt) and ref.text.startswith(text[len(prompt):]) and r.choices[0].logprobs is None
 
 
+def test_vllm_prompt_logprobs(server, llm):
+    """vLLM's prompt_logprobs: per prompt token (the first: null) {token id: {logprob, rank, decoded_token}} for
+    the token and its top alternatives, the offline engine's; beside echo with fewer logprobs, each its own."""
+    [ref] = llm.generate([PROMPTS[3]], greedy(2, prompt_logprobs=3))
+    body = {"prompt": PROMPTS[3], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3, "echo": True,
+            "logprobs": 1}
+    for stream in (False, True):
+        r = httpx.post(server.url + "/v1/completions", json=dict(body, stream=stream), headers=server.headers,
+                       timeout=60)
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream \
+            else [r.json()]
+        choice = chunks[0]["choices"][0]
+        got = choice["prompt_logprobs"]
+        assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+        for entry, token, want in zip(got[1:], ref.prompt_token_ids[1:], ref.prompt_logprobs[1:]):
+            assert entry[str(token)]["rank"] == want.rank
+            assert entry[str(token)]["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+            assert {int(t) for t in entry} == {t for t, _ in want.top} | {token}
+            assert all(entry[str(t)]["rank"] == i for i, (t, _) in enumerate(want.top, 1))
+            assert entry[str(token)]["decoded_token"] == llm.tokenizer.decode([token])
+        echoed = choice["logprobs"]["top_logprobs"][1:len(ref.prompt_token_ids)]
+        assert all(len(top) == 1 for top in echoed)  # echo's own logprobs: 1 alternative
+        assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:] if c["choices"])
+
+
 def test_tokenize_and_detokenize(server, client, llm):
     """vLLM's /tokenize and /detokenize: a prompt as /v1/completions tokenizes it, messages as
     /v1/chat/completions renders them (the count is its usage.prompt_tokens)."""

@@ -340,6 +340,7 @@ def test_real_responses_match_the_openapi_schema(server, spec):  # noqa: F811
         ("post", "/v1/completions", {"prompt": "x", "max_tokens": 4, "logprobs": 2}),
         ("post", "/v1/completions", {"prompt": "x", "max_tokens": 4}),
         ("post", "/v1/completions", {"prompt": [[5, 6], [7]], "max_tokens": 0, "echo": True, "logprobs": 1}),
+        ("post", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2, "prompt_logprobs": 2}),
         ("post", "/tokenize", {"prompt": "x y", "return_token_strs": True}), ("post", "/detokenize", {"tokens": [5]}),
         ("post", "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}),
         ("post", "/v1/chat/completions", {"messages": messages, "max_tokens": 4}),

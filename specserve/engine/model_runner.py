@@ -16,7 +16,7 @@ from ..device import to_device
 from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
-from ..layers.sampler import Sampler, token_logprobs
+from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
 from ..models import ArchConfig, load_model
 from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts, resolve_ids
 from .distributed import Ranks
@@ -54,7 +54,7 @@ class StepResult(NamedTuple):
     logits: torch.Tensor  # [len(logit_index), vocab] in the model's dtype
     aux: Optional[torch.Tensor]  # [num_tokens, aux_dim], None without aux layers
     inputs: Optional[StepTensors]  # its inputs on the device, beside aux when it ran eagerly
-    prompt: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # `ModelRunner.prompt_logprobs`
+    prompt: Optional[tuple[torch.Tensor, ...]] = None  # `ModelRunner.prompt_logprobs`
 
 
 class ModelRunner:
@@ -242,11 +242,11 @@ class ModelRunner:
     def _host_prompt_logprobs(step: StepInputs, batch: list[ScheduledSeq], prompt
                               ) -> dict[int, list[TokenLogprob]]:
         """Per batch item with prompt rows, the TokenLogprob of each (`prompt_logprobs`' tensors)."""
-        chosen, top_ids, top_lp = (t.tolist() for t in prompt)
+        chosen, top_ids, top_lp, ranks = (t.tolist() for t in prompt)
         out, row = {}, 0
         for index, count in step.prompt_items:
             k = batch[index].seq.params.prompt_logprobs
-            out[index] = [TokenLogprob(chosen[r], list(zip(top_ids[r][:k], top_lp[r][:k])))
+            out[index] = [TokenLogprob(chosen[r], list(zip(top_ids[r][:k], top_lp[r][:k])), ranks[r])
                           for r in range(row, row + count)]
             row += count
         return out
@@ -293,13 +293,14 @@ class ModelRunner:
         return StepResult(logits, torch.cat(aux, dim=-1), StepTensors(ids, positions, meta.slot_mapping), prompt)
 
     def prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """hidden [num_tokens, H]: per prompt row, the logprob of its target token and the top step.prompt_top
-        (ids, logprobs): [R], [R, top], [R, top]. The logits are made PROMPT_ROWS rows at a time: a long
-        prompt's at once would not fit (4,096 x 128K fp32 is 2 GB)."""
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [num_tokens, H]: per prompt row, the logprob of its target token, the top step.prompt_top
+        (ids, logprobs) and the target's rank: [R], [R, top], [R, top], [R]. The logits are made PROMPT_ROWS
+        rows at a time: a long prompt's at once would not fit (4,096 x 128K fp32 is 2 GB)."""
         rows, targets = self._ids(step.prompt_rows), self._ids(step.prompt_targets)
-        parts = [token_logprobs(self.model.compute_logits(hidden[rows[i:i + PROMPT_ROWS]]),
-                                targets[i:i + PROMPT_ROWS], step.prompt_top) for i in range(0, len(rows), PROMPT_ROWS)]
+        parts = [ranked_token_logprobs(self.model.compute_logits(hidden[rows[i:i + PROMPT_ROWS]]),
+                                       targets[i:i + PROMPT_ROWS], step.prompt_top)
+                 for i in range(0, len(rows), PROMPT_ROWS)]
         return tuple(torch.cat(p) for p in zip(*parts))
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Optional[TokenLogprob]]]:

@@ -21,10 +21,12 @@ class SequenceStatus(enum.Enum):
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of a sampled token, and the top alternatives the request asked for."""
+    """Log-probability of a sampled token, and the top alternatives the request asked for (best first); a
+    prompt token's also has its rank in the distribution (1: the most likely)."""
 
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: Optional[int] = None
 
 
 class Sequence:

@@ -176,7 +176,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
 
     Returns chosen [n], top_ids [n, num_top], top_logprobs [n, num_top].
     """
+    return _token_logprobs(logits.float().log_softmax(-1), tokens, num_top)
+
+
+def ranked_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and each chosen token's rank [n] (1 + the tokens more likely than it)."""
     logp = logits.float().log_softmax(-1)
+    chosen, top_ids, top_lp = _token_logprobs(logp, tokens, num_top)
+    return chosen, top_ids, top_lp, (logp > chosen.unsqueeze(1)).sum(-1) + 1
+
+
+def _token_logprobs(logp: torch.Tensor, tokens: torch.Tensor, num_top: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top = logp.topk(num_top, dim=-1) if num_top > 0 else None
     if top is None:

@@ -26,22 +26,26 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 @dataclass(frozen=True)
 class Echo:
-    """The prompt a choice begins with: its text (as sent, or its ids decoded), its token ids, and whether
-    the completion is dropped (max_tokens 0)."""
+    """The prompt a choice begins with: its text (as sent, or its ids decoded), its token ids, whether the
+    completion is dropped (max_tokens 0), and the alternatives its logprobs list (the request's logprobs)."""
 
     text: str
     token_ids: list[int]
     prompt_only: bool
+    top: int
 
 
 class CompletionFormatter(Formatter):
     object = chunk_object = "text_completion"
 
-    def __init__(self, *args, echo: Optional[Echo] = None, **kwargs):
+    def __init__(self, *args, echo: Optional[Echo] = None, prompt_logprobs: Optional[int] = None, **kwargs):
+        """prompt_logprobs: vLLM's field, the alternatives each prompt token's entry lists (None: no field)."""
         super().__init__(*args, **kwargs)
         self.text_offset = 0
         self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
         self.echoed = False  # streamed: the prompt went out with the first chunk
+        self.first = True  # streamed: the next chunk is the choice's first
 
     def count(self, out: RequestOutput) -> int:
         return 0 if self.echo is not None and self.echo.prompt_only else out.num_output_tokens
@@ -56,7 +60,11 @@ class CompletionFormatter(Formatter):
         logprobs = self._logprobs(tokens) if self.logprobs else None
         if not text and not (logprobs and logprobs["tokens"]) and not out.finished:
             return None
-        return self.envelope.wrap(self.chunk_object, [self._choice(text, logprobs, out.finish_reason)])
+        choice = self._choice(text, logprobs, out.finish_reason)
+        if self.first and self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        self.first = False
+        return self.envelope.wrap(self.chunk_object, [choice])
 
     def end_chunk(self, finish_reason: str) -> dict:
         return self.envelope.wrap(self.chunk_object, [self._choice("", None, finish_reason)])
@@ -67,13 +75,34 @@ class CompletionFormatter(Formatter):
             kept = not self.echo.prompt_only
             text = self.echo.text + (text if kept else "")
             tokens = self._prompt_tokens(out) + (tokens if kept else [])
-        return self._choice(text, self._logprobs(tokens) if self.logprobs else None, out.finish_reason)
+        choice = self._choice(text, self._logprobs(tokens) if self.logprobs else None, out.finish_reason)
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(out)
+        return choice
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[Optional[dict]]:
+        """vLLM's shape: per prompt token, null for the first, else {token id: {logprob, rank, decoded_token}}
+        for the token and its top alternatives."""
+        entries: list[Optional[dict]] = []
+        for token_id, lp in zip(out.prompt_token_ids, out.prompt_logprobs):
+            if lp is None:
+                entries.append(None)
+                continue
+            top = lp.top[:self.prompt_logprobs]
+            entry = {str(t): {"logprob": json_logprob(v), "rank": rank, "decoded_token": self.token_text(t)}
+                     for rank, (t, v) in enumerate(top, 1)}
+            entry[str(token_id)] = {"logprob": json_logprob(lp.logprob), "rank": lp.rank,
+                                    "decoded_token": self.token_text(token_id)}
+            entries.append(entry)
+        return entries
 
     def _prompt_tokens(self, out: RequestOutput) -> list[tuple[int, Optional[TokenLogprob]]]:
         """(token id, logprob) of each prompt token (the first's None), when logprobs were asked for."""
         if not self.logprobs:
             return []
-        return list(zip(self.echo.token_ids, out.prompt_logprobs))
+        top = self.echo.top  # prompt_logprobs may have asked the engine for more
+        return [(t, lp if lp is None else TokenLogprob(lp.logprob, lp.top[:top], lp.rank))
+                for t, lp in zip(self.echo.token_ids, out.prompt_logprobs)]
 
     def _choice(self, text: str, logprobs: Optional[dict], finish_reason: Optional[str]) -> dict:
         return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -105,18 +134,20 @@ async def create_completion(request: Request, state: ServerState) -> Response:
             raise bad_request(str(e), param) from None
         max_tokens = req.max_tokens or (1 if req.max_tokens == 0 else None)  # 0: one token, dropped
         params = sampling_params(engine, req, prompt_ids, param, max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
-        if req.echo and req.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=req.logprobs)
+        wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        if wanted:
+            params = dataclasses.replace(params, prompt_logprobs=max(wanted))
         prompts.append((prompt_ids, params))
-        echoes.append(_echo(engine.tokenizer, prompt, prompt_ids, req.max_tokens == 0) if req.echo else None)
+        echoes.append(_echo(engine.tokenizer, prompt, prompt_ids, req.max_tokens == 0, req.logprobs or 0)
+                      if req.echo else None)
     await check_grammar(engine.tokenizer, prompts[0][1], guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, i * req.num_choices + j,
-                                      echo=echoes[i])
+                                      echo=echoes[i], prompt_logprobs=req.prompt_logprobs)
                   for i in range(len(prompts)) for j in range(req.num_choices)]
     return await respond(request, state, req, prompts, formatters)
 
 
-def _echo(tokenizer, prompt: Union[str, list[int]], prompt_ids: list[int], prompt_only: bool) -> Echo:
+def _echo(tokenizer, prompt: Union[str, list[int]], prompt_ids: list[int], prompt_only: bool, top: int) -> Echo:
     text = prompt if isinstance(prompt, str) else (tokenizer.decode(prompt_ids) if tokenizer is not None else "")
-    return Echo(text, prompt_ids, prompt_only)
+    return Echo(text, prompt_ids, prompt_only, top)

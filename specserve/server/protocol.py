@@ -347,6 +347,9 @@ class CompletionRequest(SamplingRequest):
     logprobs: Optional[NumLogprobs] = None
     echo: Optional[bool] = Field(None, description="the prompt before the completion, in the text and (with "
                                                    "logprobs) the logprobs: the first token's is null")
+    prompt_logprobs: Optional[NumLogprobs] = Field(None, description="vLLM's: per prompt token (the first: null) "
+                                                                     "its logprob, rank and this many alternatives, "
+                                                                     "in the choice's prompt_logprobs")
     suffix: None = None
     best_of: Optional[Literal[1]] = None
 

@@ -29,11 +29,23 @@ class CompletionLogprobs(_Response):
     text_offset: list[int]
 
 
+class PromptLogprob(_Response):
+    logprob: float
+    rank: Optional[int]
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: its logprob} for the token
+# and its top alternatives
+PromptLogprobs = list[Optional[dict[str, PromptLogprob]]]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs]
     finish_reason: Literal["stop", "length", "abort"]
+    prompt_logprobs: PromptLogprobs = _sometimes("with prompt_logprobs")
 
 
 class CompletionResponse(_Response):
@@ -114,6 +126,7 @@ class CompletionStreamChoice(_Response):
     text: str
     logprobs: Optional[CompletionLogprobs]
     finish_reason: Optional[Literal["stop", "length", "abort"]]
+    prompt_logprobs: PromptLogprobs = _sometimes("with prompt_logprobs, in a choice's first chunk")
 
 
 class CompletionChunk(_Response):
