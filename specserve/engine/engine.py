@@ -108,6 +108,10 @@ class RequestOutput:
     def num_output_tokens(self) -> int:
         return self._end - self._prompt_len
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._prompt_len
+
     def __repr__(self) -> str:
         return (f"RequestOutput({self.request_id!r}, text={self.text!r}, tokens={self.num_output_tokens}, "
                 f"finished={self.finished}, finish_reason={self.finish_reason!r})")

@@ -110,13 +110,16 @@ class GenerateFormatter(Formatter):
         self.list_index = index  # None for a single prompt
         self.last: Optional[RequestOutput] = None  # streamed: the latest output
 
-    def _object(self, out: RequestOutput, finish_reason: Optional[str]) -> dict:
+    def _object(self, out: Optional[RequestOutput], finish_reason: Optional[str]) -> dict:
+        """The choice as `out` has it (None: nothing arrived yet)."""
         reason = None if finish_reason is None else {"type": finish_reason}
-        if reason is not None and finish_reason == "length":
+        if reason is not None and finish_reason == "length" and out is not None:
             reason["length"] = out.num_output_tokens
-        body = {"text": out.text, "output_ids": out.token_ids,
-                "meta_info": {"id": f"{self.envelope.id}-{self.index}", "finish_reason": reason,
-                              "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": out.num_output_tokens}}
+        meta = {"id": f"{self.envelope.id}-{self.index}", "finish_reason": reason}
+        body = {"text": "", "output_ids": [], "meta_info": meta}
+        if out is not None:
+            body.update(text=out.text, output_ids=out.token_ids)
+            meta.update(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
         if self.list_index is not None:
             body["index"] = self.list_index
         return body
@@ -128,9 +131,6 @@ class GenerateFormatter(Formatter):
         return self._object(out, out.finish_reason)
 
     def end_chunk(self, finish_reason: str) -> dict:
-        if self.last is None:
-            return {"text": "", "output_ids": [], "meta_info": {"id": f"{self.envelope.id}-{self.index}",
-                                                                 "finish_reason": {"type": finish_reason}}}
         return self._object(self.last, finish_reason)
 
     def choice(self, out: RequestOutput) -> dict:
