@@ -344,6 +344,9 @@ def test_real_responses_match_the_openapi_schema(server, spec):  # noqa: F811
         ("post", "/tokenize", {"prompt": "x y", "return_token_strs": True}), ("post", "/detokenize", {"tokens": [5]}),
         ("post", "/v1/chat/completions", {"messages": messages, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}),
         ("post", "/v1/chat/completions", {"messages": messages, "max_tokens": 4}),
+        ("post", "/v1/responses", {"input": "Hi", "max_output_tokens": 4, "top_logprobs": 2,
+                                   "include": ["message.output_text.logprobs"]}),
+        ("post", "/v1/responses", {"input": "Hi", "max_output_tokens": 4, "background": True}),
         ("post", "/v1/completions", {"prompt": "x", "max_tokens": "4"}),
         ("get", "/v1/models", None), ("get", f"/v1/models/{MODEL}", None), ("get", "/v1/models/nope", None),
         ("get", "/health", None),
@@ -382,6 +385,22 @@ def test_streamed_chunks_match_the_openapi_schema(server, spec):  # noqa: F811
         for c in got[:-1]:
             assert conforms(c, chunk, spec) and conforms({"data": json.dumps(c), "event": "message"}, event, spec), c
         assert not conforms(dict(got[0], undocumented=1), chunk, spec)
+
+
+def test_streamed_response_events_match_the_openapi_schema(server, spec):  # noqa: F811
+    event = spec["paths"]["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    schema = event["properties"]["data"]["contentSchema"]
+    body = {"input": "Hi", "max_output_tokens": 4, "top_logprobs": 1, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=server.headers, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert len(lines) % 2 == 0 and len(lines) > 8
+    for name, data in zip(lines[::2], lines[1::2]):
+        chunk = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {chunk['type']}"
+        assert conforms(chunk, schema, spec) and conforms({"data": data[6:], "event": chunk["type"]}, event, spec)
+    assert not conforms(dict(chunk, undocumented=1), schema, spec)
+    assert chunk["type"] == "response.incomplete"
 
 
 def test_wrong_method_is_405_with_allow(server):  # noqa: F811

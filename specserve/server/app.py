@@ -20,6 +20,7 @@ from .errors import APIError, retry_after, server_error
 from .generate import generate
 from .middleware import ApiKey, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol_responses import ResponsesRequest
 from .responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -30,9 +31,12 @@ from .responses import (
     Health,
     ModelCard,
     ModelList,
+    ResponseObject,
+    ResponseStreamEvent,
     TokenizeResponse,
     Version,
 )
+from .responses_api import create_response, not_stored
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 
@@ -40,8 +44,8 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # no API key needed
 # the routes read them from the raw request
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk)  # the JSON of streamed events
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
+CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent)  # the JSON of streamed events
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -74,21 +78,23 @@ def _ref(model) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _sse_event(chunk_model) -> dict:
-    """The schema of one server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event)."""
+def _sse_event(chunk_model, done: bool = True) -> dict:
+    """The schema of one server-sent event (OpenAPI 3.1: a text/event-stream schema describes each event);
+    done: the stream ends with `data: [DONE]`."""
     chunk = {"type": "string", "contentMediaType": "application/json",
              "contentSchema": {"anyOf": [_ref(chunk_model), _ref(ErrorResponse)]},
              "description": f"a {chunk_model.__name__} as JSON (an ErrorResponse if the engine fails during the "
                             "stream)"}
-    data = {"anyOf": [chunk, {"const": "[DONE]", "description": "the last event"}]}
+    data = {"anyOf": [chunk, {"const": "[DONE]", "description": "the last event"}]} if done else chunk
     return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
 
 
-def _generation_docs(request_model, response_model, chunk_model) -> dict:
+def _generation_docs(request_model, response_model, chunk_model, done: bool = True) -> dict:
     """Route arguments that document a generation endpoint: its JSON body, its JSON or SSE answer, errors."""
     body = {"content": {"application/json": {"schema": _ref(request_model)}}, "required": True}
-    sse = {"description": "the body, or with stream=true server-sent events: chunks, then `data: [DONE]`",
-           "content": {"text/event-stream": {"schema": _sse_event(chunk_model)}}}
+    events = "chunks, then `data: [DONE]`" if done else "typed events, the last response.completed (or incomplete)"
+    sse = {"description": f"the body, or with stream=true server-sent events: {events}",
+           "content": {"text/event-stream": {"schema": _sse_event(chunk_model, done)}}}
     return dict(response_model=response_model, openapi_extra={"requestBody": body},
                 responses={200: sse, **_errors(400, 401, 404, 413, 429, 500, 503)})
 
@@ -122,7 +128,8 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     """The FastAPI app over `state`, with the API key and body limit in front."""
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, redoc_url=None,
                   swagger_ui_oauth2_redirect_url=None,
-                  description="OpenAI-compatible completions and chat completions, with vLLM's sampling extras.")
+                  description="OpenAI-compatible completions, chat completions and responses, with vLLM's sampling "
+                              "extras.")
     app.openapi = lambda: _openapi(app)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(HTTPException, _on_http_error)
@@ -174,6 +181,15 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                                                                   ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @app.post("/v1/responses", **_generation_docs(ResponsesRequest, ResponseObject, ResponseStreamEvent, done=False))
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API (server/responses_api.py); nothing is stored."""
+        return await create_response(request, state)
+
+    @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
+    async def stored_response(response_id: str) -> Response:
+        raise not_stored(response_id)
 
     @app.post("/generate", responses=_errors(400, 401, 413, 429, 500, 503))
     async def generate_route(request: Request) -> Response:

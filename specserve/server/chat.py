@@ -4,14 +4,17 @@ a named function, structured.py) is framed as a hermes block and parsed as one."
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 from jinja2 import TemplateError
 
+from ..engine.async_engine import AsyncEngine
 from ..engine.engine import RequestOutput
 from ..engine.sequence import TokenLogprob
+from ..sampling_params import SamplingParams
 from .errors import bad_request
 from .formatting import Envelope, Formatter, json_logprob, new_logprobs
 from .generation import parse_request, respond, sampling_params
@@ -85,8 +88,11 @@ class ChatFormatter(Formatter):
 
     def _logprobs(self, tokens: list[tuple[int, TokenLogprob]]) -> dict:
         """The chat logprobs shape: one entry per token with its top alternatives."""
-        return {"content": [dict(self._entry(token_id, lp.logprob),
-                                 top_logprobs=[self._entry(t, v) for t, v in lp.top]) for token_id, lp in tokens]}
+        return {"content": self._logprob_entries(tokens)}
+
+    def _logprob_entries(self, tokens: list[tuple[int, TokenLogprob]]) -> list[dict]:
+        return [dict(self._entry(token_id, lp.logprob), top_logprobs=[self._entry(t, v) for t, v in lp.top])
+                for token_id, lp in tokens]
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)
@@ -120,8 +126,19 @@ def render_prompt(tokenizer, req: ChatTemplateInput, then: str = "") -> list[int
     return tokenizer.encode(text + then, add_special_tokens=False)  # the template wrote any special tokens itself
 
 
-async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    engine, req = await parse_request(request, state, ChatCompletionRequest)
+@dataclass(frozen=True)
+class ChatSubmission:
+    """A chat request made ready for the engine: its prompt, its params, and how its output is read."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    frame: Optional[ForcedToolCall]  # a forced tool call's framing
+    tool_parser: Optional[str]  # the parser that reads tool calls out of the output (None: none)
+
+
+async def submission(engine: AsyncEngine, state: ServerState, req: ChatCompletionRequest) -> ChatSubmission:
+    """Render the prompt, check it and the request against the engine and compile its constraint (a 400 names
+    what is wrong)."""
     tools = req.wants_tool_calls
     frame = forced_tool_call(req)  # the server frames and parses a forced call itself: no parser option needed
     if tools and frame is None and state.options.tool_call_parser is None:
@@ -132,10 +149,16 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs,
                              {"json": frame.schema} if frame else None)
     await check_grammar(engine.tokenizer, params, guided_param(req))
-    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
     parser = "hermes" if frame is not None else (state.options.tool_call_parser if tools else None)
+    return ChatSubmission(prompt_ids, params, frame, parser)
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    engine, req = await parse_request(request, state, ChatCompletionRequest)
+    sub = await submission(engine, state, req)
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
     formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
-                                reasoning_parser=state.options.reasoning_parser, tools=parser, guided=params.guided,
-                                frame=frame, schemas=req.template_tools())
+                                reasoning_parser=state.options.reasoning_parser, tools=sub.tool_parser,
+                                guided=sub.params.guided, frame=sub.frame, schemas=req.template_tools())
                   for index in range(req.num_choices)]
-    return await respond(request, state, req, [(prompt_ids, params)], formatters)
+    return await respond(request, state, req, [(sub.prompt_ids, sub.params)], formatters)

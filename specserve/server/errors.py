@@ -61,9 +61,13 @@ def _common_prefix(locs: list[tuple]) -> tuple:
     return prefix
 
 
-def from_validation_error(err: ValidationError) -> APIError:
-    """The first problem pydantic found, phrased for the client; the param is the field's dotted path."""
+def from_validation_error(err: ValidationError, tags: tuple[str, ...] = ()) -> APIError:
+    """The first problem pydantic found, phrased for the client; the param is the field's dotted path (less
+    `tags`, the names a tagged union of list items puts after an item's index)."""
     errors = err.errors(include_url=False)
+    for e in errors:
+        loc = e["loc"]
+        e["loc"] = tuple(p for i, p in enumerate(loc) if not (p in tags and i and isinstance(loc[i - 1], int)))
     first = errors[0]
     if first["type"] == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
@@ -75,7 +79,8 @@ def from_validation_error(err: ValidationError) -> APIError:
     same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
     loc = _common_prefix([e["loc"] for e in same_field])
     param = _param(loc or first["loc"])
-    if first["type"] == "missing":
+    if first["type"] == "missing":  # fields missing from one object: the first is named
+        param = _param(first["loc"]) if all(e["type"] == "missing" for e in same_field) else param
         return bad_request(f"{param} is required", param, "missing_field")
     messages = list(dict.fromkeys(e["msg"].removeprefix("Value error, ") for e in same_field))
     got = first.get("input")

@@ -37,7 +37,7 @@ async def parse_request(request: Request, state: ServerState, model: Type[Body])
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
-        raise from_validation_error(e) from None
+        raise from_validation_error(e, getattr(model, "union_tags", ())) from None
     _unknown_fields(request.url.path, body, raw, state.options.strict_request_fields)
     state.check_model(body.model)
     return engine, body
@@ -123,11 +123,12 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 async def respond(request: Request, state: ServerState, req: SamplingRequest,
                   prompts: list[tuple[list[int], SamplingParams]], formatters: list[Formatter],
-                  body: Callable = response) -> Response:
+                  body: Callable = response, events: Optional[Callable] = None) -> Response:
     """Submit one request per choice (`formatters`: n per prompt, prompt by prompt; `prompts`: each one's
     token ids and params) and answer: a stream of chunks, or one body once all have finished (`body` of
     the formatters, the finished outputs and the prompt tokens; OpenAI's by default). The usage counts each
-    prompt once."""
+    prompt once. `events`: the SSE body of the streams, formatters, request and prompt tokens (default: chat
+    and completion chunks ending with [DONE])."""
     n, total, response_id = req.num_choices, len(formatters), formatters[0].envelope.id
     if total > state.requests.capacity:
         what, param = (f"n {n}", "n") if len(prompts) == 1 else (f"{len(prompts)} prompts x n {n}", "prompt")
@@ -141,7 +142,8 @@ async def respond(request: Request, state: ServerState, req: SamplingRequest,
             for stream in streams:
                 stream.close()
 
-        return StreamingResponse(_events(streams, formatters, req, num_prompt_tokens), media_type="text/event-stream",
+        body_events = (events or _events)(streams, formatters, req, num_prompt_tokens)
+        return StreamingResponse(body_events, media_type="text/event-stream",
                                  headers=SSE_HEADERS, background=BackgroundTask(close))
     outs = await _finished_or_disconnected(request, streams)
     if outs is None:

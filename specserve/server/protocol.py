@@ -218,18 +218,11 @@ FORCED_CALL_NEEDS_TOOLS = {
 }
 
 
-class SamplingRequest(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+class SamplingFields(_Strict):
+    """The sampling fields every generation endpoint takes (OpenAI's and vLLM's extras)."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT]})
-
-    model: Optional[str] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    max_tokens: Optional[PositiveInt] = None
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    n: Optional[Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_whole)]] = None
     stop: Optional[Union[StopString, list[StopString]]] = None
     seed: Optional[Seed] = None
     presence_penalty: Optional[Penalty] = None
@@ -247,6 +240,42 @@ class SamplingRequest(_Strict):
                                                                "completions)"), BeforeValidator(_whole)]] = None
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
     skip_special_tokens: bool = Field(True, description="false: special tokens (<|im_end|>, ...) appear in the text")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _no_empty_stop(cls, v):
+        if v == "" or (isinstance(v, list) and "" in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling_options(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict] = None
+                         ) -> dict[str, Any]:
+        """SamplingParams' keyword arguments for this request (`logit_bias` with int keys); `defaults`: the
+        model's sampling defaults (SamplingParams names), for the fields the request leaves out."""
+        options = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+        sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
+        options.update((k, v) for k, v in sampling.items() if v is not None)
+        options.update(seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
+                       stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
+                       include_stop_str_in_output=self.include_stop_str_in_output,
+                       skip_special_tokens=self.skip_special_tokens)
+        if self.logit_bias is not None:
+            options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        return options
+
+
+class SamplingRequest(SamplingFields):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT]})
+
+    model: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[PositiveInt] = None
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_whole)]] = None
     use_beam_search: Optional[Literal[False]] = None
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
@@ -274,13 +303,6 @@ class SamplingRequest(_Strict):
         fmt = self.response_format
         given = ["response_format"] if fmt is not None and fmt.type != "text" else []
         return given + [f for f in GUIDED + ("structured_outputs",) if getattr(self, f) is not None]
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _no_empty_stop(cls, v):
-        if v == "" or (isinstance(v, list) and "" in v):
-            raise ValueError("stop strings must not be empty")
-        return v
 
     @property
     def include_usage(self) -> bool:
@@ -313,23 +335,6 @@ class SamplingRequest(_Strict):
         if fmt is not None and fmt.type == "json_schema":
             return {"json": fmt.json_schema.json_schema}
         return None
-
-    def sampling_options(self, max_tokens: int, logprobs: Optional[int], defaults: Optional[dict] = None
-                         ) -> dict[str, Any]:
-        """SamplingParams' keyword arguments for this request (`logit_bias` with int keys); `defaults`: the
-        model's sampling defaults (SamplingParams names), for the fields the request leaves out."""
-        options = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
-        sampling = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty, min_tokens=self.min_tokens)
-        options.update((k, v) for k, v in sampling.items() if v is not None)
-        options.update(seed=self.seed, max_tokens=max_tokens, stop=self.stop or [],
-                       stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-                       include_stop_str_in_output=self.include_stop_str_in_output,
-                       skip_special_tokens=self.skip_special_tokens)
-        if self.logit_bias is not None:
-            options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
-        return options
 
 
 Text = Annotated[str, Field(min_length=1)]

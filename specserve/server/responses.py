@@ -2,7 +2,7 @@
 response schemas; the server builds the bodies themselves as dicts, server/formatting.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -202,3 +202,115 @@ class ErrorResponse(_Response):
 class Health(_Response):
     status: Literal["ok", "starting", "draining", "failed"]
     error: str = _sometimes("why the model failed to load or the engine stopped")
+
+
+# ---- /v1/responses (OpenAI's Responses API) -------------------------------------------------------
+class OutputText(_Response):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict]
+    logprobs: list[ChatTokenLogprob] = Field(description="with include 'message.output_text.logprobs' or "
+                                                         "top_logprobs: every output token's, as chat lists them")
+
+
+class ReasoningTextPart(_Response):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(_Response):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    status: ItemStatus
+    content: list[OutputText] = Field(description="one part (empty when the item is announced)")
+
+
+class OutputReasoning(_Response):
+    id: str
+    type: Literal["reasoning"]
+    summary: list[dict] = Field(description="always empty: the model's reasoning is in content")
+    status: ItemStatus
+    content: list[ReasoningTextPart] = Field(description="one part (empty when the item is announced)")
+
+
+class OutputFunctionCall(_Response):
+    id: str
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+
+
+OutputItem = Union[OutputMessage, OutputReasoning, OutputFunctionCall]
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int] = Field(description="cached_tokens (always 0: not counted)")
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(description="reasoning_tokens: output tokens up to the end of "
+                                                              "the reasoning")
+    total_tokens: int
+
+
+class ResponseError(_Response):
+    code: str
+    message: str
+
+
+class ResponseObject(_Response):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    background: Literal[False]
+    error: Optional[ResponseError]
+    incomplete_details: Optional[dict[str, str]] = Field(description="reason max_output_tokens when incomplete")
+    instructions: Optional[str]
+    max_output_tokens: Optional[int]
+    metadata: dict[str, str]
+    model: str
+    output: list[OutputItem]
+    parallel_tool_calls: bool
+    previous_response_id: None
+    reasoning: dict[str, Optional[str]]
+    store: Literal[False] = Field(description="nothing is stored")
+    temperature: float
+    text: dict[str, dict[str, Any]]
+    tool_choice: Union[Literal["auto", "none", "required"], dict[str, str]]
+    tools: list[dict[str, Any]]
+    top_logprobs: int
+    top_p: float
+    truncation: Literal["disabled"]
+    usage: Optional[ResponseUsage] = Field(description="null until the response ends")
+    user: Optional[str]
+
+
+class ResponseStreamEvent(_Response):
+    """One typed event of a streamed response (the SSE event line names its type)."""
+
+    type: str = Field(description="response.created, response.in_progress, response.output_item.added, "
+                                  "response.content_part.added, response.output_text.delta, "
+                                  "response.reasoning_text.delta, response.function_call_arguments.delta, their "
+                                  ".done events, response.content_part.done, response.output_item.done, "
+                                  "response.completed, response.incomplete, error, response.failed")
+    sequence_number: int
+    response: ResponseObject = _sometimes("the response.* lifecycle events")
+    output_index: int = _sometimes("item events")
+    item_id: str = _sometimes("content and argument events")
+    item: OutputItem = _sometimes("output_item.added / .done")
+    content_index: int = _sometimes("content events")
+    part: Union[OutputText, ReasoningTextPart] = _sometimes("content_part.added / .done")
+    delta: str = _sometimes("delta events")
+    text: str = _sometimes("output_text.done / reasoning_text.done")
+    logprobs: list[ChatTokenLogprob] = _sometimes("output_text.delta / .done")
+    name: str = _sometimes("function_call_arguments.done")
+    arguments: str = _sometimes("function_call_arguments.done")
+    code: Optional[str] = _sometimes("error")
+    message: str = _sometimes("error")
+    param: Optional[str] = _sometimes("error")

@@ -1,0 +1,215 @@
+"""The Responses API (POST /v1/responses) through the real server, driven by the real `openai` client.
+
+On the tiny random model (test_server's server, hermes and qwen3 parsers): greedy outputs equal the offline
+engine's on the chat template's rendering of the same conversation (instructions, messages sent back with
+their parts, function calls and their outputs), seeded outputs and logprobs equal chat completions'; the
+streamed events, which the client's own stream helper checks for order and identity, add up to the
+non-streamed response; max_output_tokens makes a response incomplete; refused options get a 400 naming the
+field. On the scripted model (test_server_tool_path's) reasoning and a function call come back as items.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .test_server import API_KEY, MODEL, greedy, llm, model, serving  # noqa: F401 (fixtures)
+from .test_server_tool_path import CALL, TOOLS, scripted_server  # noqa: F401 (fixture)
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+FLAT_TOOLS = [dict(t["function"], type="function") for t in TOOLS]  # the Responses API's tools
+LOGPROBS = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+
+
+# renders what the tiny model's own template leaves out: tools, reasoning, tool calls and their results
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['id'] }} {{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] }}</tool_call>{% endfor %}"
+    "{% if m.get('tool_call_id') %} ({{ m['tool_call_id'] }}){% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model):  # noqa: F811
+    yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model, "--tool-call-parser",
+                       "hermes", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE, api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def rendered(llm, messages: list[dict], tools=None) -> list[int]:  # noqa: F811
+    text = llm.tokenizer.apply_chat_template(messages, tools=tools, chat_template=TEMPLATE, tokenize=False,
+                                             add_generation_prompt=True)
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def without_ids(output: list) -> list[dict]:
+    return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k not in ("id", "call_id")}
+            for item in output]
+
+
+def without_logprobs(output: list) -> list[dict]:
+    items = without_ids(output)
+    for item in items:
+        for part in item["content"]:
+            part["logprobs"] = [(lp["token"], [t["token"] for t in lp["top_logprobs"]]) for lp in part["logprobs"]]
+    return items
+
+
+def logprob_values(output: list) -> list[float]:
+    return [lp.logprob for item in output for part in item.content for lp in part.logprobs]
+
+
+def test_greedy_output_equals_offline_on_the_rendered_conversation(client, llm):  # noqa: F811
+    r = client.responses.create(model=MODEL, instructions="You write Python.", input="Sort a list.",
+                                max_output_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    [ref] = llm.generate([rendered(llm, messages)], greedy(16))
+    assert r.output_text == ref.text and r.status == "incomplete"
+    assert r.incomplete_details.reason == "max_output_tokens"
+    [message] = r.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ref.prompt_token_ids), 16)
+    assert r.usage.total_tokens == r.usage.input_tokens + 16 and r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.store is False and r.model == MODEL and r.id.startswith("resp_")
+
+
+def test_a_conversation_sent_back_renders_as_chat_messages(client, llm):  # noqa: F811
+    """Input items as a client sends a previous turn back: the developer role, text parts with annotations,
+    a reasoning item, a function call and its output."""
+    items = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text",
+                                                                                    "text": "Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": json.dumps({"city": "Paris"}), "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+        {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "It is sunny.", "annotations": [], "logprobs": []}]},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    messages = [
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "And tomorrow?"},
+    ]
+    r = client.responses.create(model=MODEL, input=items, tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=12,
+                                temperature=0, extra_body={"ignore_eos": True})
+    prompt = rendered(llm, messages, TOOLS)
+    [ref] = llm.generate([prompt], greedy(12))
+    assert r.usage.input_tokens == len(prompt) and r.output_text == ref.text
+
+
+def test_seeded_output_and_logprobs_equal_chat(client):
+    for seed in (None, 7):
+        sampling = {"temperature": 0.9 if seed else 0.0}
+        r = client.responses.create(model=MODEL, input="Count to five.", max_output_tokens=10, **sampling, **LOGPROBS,
+                                    extra_body={"top_k": 20, "seed": seed})
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to five."}],
+                                              max_tokens=10, logprobs=True, top_logprobs=2, extra_body={"top_k": 20},
+                                              seed=seed, **sampling)
+        assert r.output_text == chat.choices[0].message.content
+        ours = r.output[0].content[0].logprobs
+        theirs = chat.choices[0].logprobs.content
+        assert [(lp.token, [t.token for t in lp.top_logprobs]) for lp in ours] == [
+            (lp.token, [t.token for t in lp.top_logprobs]) for lp in theirs]
+        assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in theirs], abs=1e-5)
+        assert len(ours) == r.usage.output_tokens
+
+
+def test_streamed_events_add_up_to_the_response(client):
+    kw = dict(model=MODEL, input="Write a loop.", max_output_tokens=14, temperature=0,
+              extra_body={"ignore_eos": True, **LOGPROBS})
+    events = list(client.responses.create(stream=True, **kw))  # the stream helper wants response.completed
+    whole = client.responses.create(**kw)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert "".join(e.delta for e in deltas) == whole.output_text
+    assert sum(len(e.logprobs) for e in deltas) == whole.usage.output_tokens == 14
+    streamed = events[-1].response.output
+    assert without_logprobs(streamed) == without_logprobs(whole.output)  # (the second ran on a cached prefix)
+    assert logprob_values(streamed) == pytest.approx(logprob_values(whole.output), abs=1e-5)
+    assert events[-1].response.usage == whole.usage
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "item references"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content",
+     "input_image"),
+    ({"input": [{"type": "computer_call"}]}, "input.0", "type must be one of"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "required"),
+    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "not supported"),
+    ({"input": ""}, "input", "empty"),
+    ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens 100000"),
+    ({"input": "x", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "not in tools"),
+])
+def test_refused_requests_name_the_field(server, body, param, words):  # noqa: F811
+    r = httpx.post(server.url + "/v1/responses", json=dict(body, model=MODEL), headers=server.headers, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_nothing_is_stored(server, client):  # noqa: F811
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve(r.id)
+
+
+def test_reasoning_and_a_function_call_come_back_as_items(scripted_server):  # noqa: F811
+    client = scripted_server.client()
+    kw = dict(model="tiny", input="weather Paris", tools=FLAT_TOOLS, temperature=0, max_output_tokens=20)
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and [item.type for item in r.output] == ["reasoning", "function_call"]
+    reasoning, call = r.output
+    assert reasoning.content[0].text.strip() == "The user wants the weather." and reasoning.summary == []
+    assert call.name == "get_weather" and json.loads(call.arguments) == CALL["arguments"]
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert r.usage.output_tokens_details.reasoning_tokens == 3  # <think>, the sentence, </think>
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert without_ids(final.output) == without_ids(r.output)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert (done.name, done.arguments) == ("get_weather", call.arguments)
+    cut = client.responses.create(**dict(kw, max_output_tokens=2))  # <think> and the sentence
+    assert cut.status == "incomplete" and [(i.type, i.status) for i in cut.output] == [("reasoning", "incomplete")]
+    assert cut.usage.output_tokens_details.reasoning_tokens == 2
+
+
+def test_structured_output_and_a_forced_function_call(client):
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
+              "required": ["n", "s"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Some JSON.", max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    r = client.responses.create(model=MODEL, input="Weather in Paris?", tools=FLAT_TOOLS, max_output_tokens=60,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    [call] = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and r.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
