@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from .test_server import API_KEY, MODEL, greedy, llm, model, serving  # noqa: F401 (fixtures)
+from .test_server import API_KEY, MODEL, greedy, llm, metric, model, serving  # noqa: F401 (fixtures)
 from .test_server_tool_path import CALL, TOOLS, scripted_server  # noqa: F401 (fixture)
 
 openai = pytest.importorskip("openai")
@@ -168,6 +168,17 @@ def test_refused_requests_name_the_field(server, body, param, words):  # noqa: F
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_cached_input_tokens_are_the_prefix_cache_hits(server, client):  # noqa: F811
+    text = " ".join(f"item {i}" for i in range(120))  # a prompt of several KV blocks, new to the cache
+    hits = lambda: metric(httpx.get(server.url + "/metrics").text, "specserve:prefix_cache_hits_total")  # noqa: E731
+    before = hits()
+    first, second = (client.responses.create(model=MODEL, input=text, max_output_tokens=2) for _ in range(2))
+    block = server.info()["config"]["block_size"]
+    assert first.usage.input_tokens_details.cached_tokens == 0
+    assert second.usage.input_tokens_details.cached_tokens == (second.usage.input_tokens - 1) // block * block > 0
+    assert hits() - before == second.usage.input_tokens_details.cached_tokens
 
 
 def test_nothing_is_stored(server, client):  # noqa: F811

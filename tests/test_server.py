@@ -361,6 +361,9 @@ def test_sglang_generate(server, llm):
     assert one["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
     assert (one["meta_info"]["prompt_tokens"], one["meta_info"]["completion_tokens"]) == (
         len(want[0].prompt_token_ids), 10)
+    again = post({"text": PROMPTS[0] * 20, "sampling_params": sp})["meta_info"]  # the second asks a cached prefix
+    assert post({"text": PROMPTS[0] * 20, "sampling_params": sp})["meta_info"]["cached_tokens"] == \
+        (again["prompt_tokens"] - 1) // 16 * 16 > 0
     many = post({"input_ids": [w.prompt_token_ids for w in want], "sampling_params": dict(sp, n=2)})
     assert [(m["index"], m["text"]) for m in many] == list(enumerate(w.text for w in want for _ in range(2)))
     events = post({"text": PROMPTS[0], "sampling_params": sp}, stream=True)

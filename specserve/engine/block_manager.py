@@ -139,6 +139,8 @@ class BlockManager:
         seq.block_table = [n.block for n in hit.nodes]
         self._state(seq).nodes = list(hit.nodes)
         seq.num_computed_tokens = hit.num_blocks * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed_tokens
         stats = self.stats
         stats.num_queries += seq.num_tokens
         stats.num_hits += seq.num_computed_tokens

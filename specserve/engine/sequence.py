@@ -58,6 +58,7 @@ class Sequence:
         self.num_emitted_tokens = 0
         self.num_emitted_chars = 0
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held when it was first admitted
         self.draft_state = None  # the proposer's per-request state (speculative decoding only)
         self.req_index = -1  # while running: its row in per-request device buffers (< max_num_seqs)
         self.num_pending = 0  # tokens sampled on the device, not yet known here (overlap scheduling)

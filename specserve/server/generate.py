@@ -5,8 +5,9 @@ dict for all, or one per prompt: max_new_tokens (default 128), temperature, top_
 penalties, min_new_tokens, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, n, regex,
 json_schema, ebnf, logit_bias, seed), `stream`. The answer, per prompt (and choice): `text`, `output_ids` and
 `meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort", and "length" for length},
-`prompt_tokens`, `completion_tokens`); one object for one prompt, a list for a list. Streamed, each event is
-the object so far (cumulative text, with `index` for a list), then `data: [DONE]`.
+`prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix cache); one object for one
+prompt, a list for a list. Streamed, each event is the object so far (cumulative text, with `index` for a
+list), then `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ class GenerateFormatter(Formatter):
         body = {"text": "", "output_ids": [], "meta_info": meta}
         if out is not None:
             body.update(text=out.text, output_ids=out.token_ids)
-            meta.update(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens)
+            meta.update(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
+                        cached_tokens=out.num_cached_tokens)
         if self.list_index is not None:
             body["index"] = self.list_index
         return body

@@ -251,7 +251,8 @@ OutputItem = Union[OutputMessage, OutputReasoning, OutputFunctionCall]
 
 class ResponseUsage(_Response):
     input_tokens: int
-    input_tokens_details: dict[str, int] = Field(description="cached_tokens (always 0: not counted)")
+    input_tokens_details: dict[str, int] = Field(description="cached_tokens: the input tokens found in the prefix "
+                                                             "cache")
     output_tokens: int
     output_tokens_details: dict[str, int] = Field(description="reasoning_tokens: output tokens up to the end of "
                                                               "the reasoning")

@@ -204,7 +204,8 @@ class ResponseFormatter(ChatFormatter):
 
     def _usage(self, out: RequestOutput) -> dict:
         reasoning = self._reasoning_tokens(out) if self.reasoning else 0
-        return {"input_tokens": out.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        return {"input_tokens": out.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
                 "output_tokens": out.num_output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": out.num_prompt_tokens + out.num_output_tokens}
 
