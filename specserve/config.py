@@ -36,6 +36,24 @@ class ModelConfig:
     generation_config: str = _opt("auto", "where sampling defaults and end tokens come from: 'auto' = the model "
                                           "folder's generation_config.json (as vLLM), 'vllm' = none, or a folder "
                                           "holding one")
+    lora_modules: Optional[str] = _opt(None, "LoRA adapters (PEFT folders) served beside the model, as name=folder, "
+                                             "comma-separated; a request names one as its model")
+
+    @property
+    def loras(self) -> dict[str, str]:
+        """The LoRA adapters: name -> folder, in the order given (slot i + 1 is the i-th)."""
+        out: dict[str, str] = {}
+        for entry in (self.lora_modules or "").split(","):
+            if not entry.strip():
+                continue
+            name, sep, folder = entry.partition("=")
+            name, folder = name.strip(), folder.strip()
+            if not sep or not name or not folder:
+                raise ConfigError(f"lora_modules entry {entry.strip()!r} is not name=folder")
+            if name in out:
+                raise ConfigError(f"lora_modules names {name!r} twice")
+            out[name] = folder
+        return out
 
 
 @dataclass(frozen=True)
@@ -288,6 +306,7 @@ class EngineConfig:
         self.speculative.validate()
         if self.speculative.speculative_draft_model_path and not self.speculative.enabled:
             raise ConfigError("speculative_draft_model_path given without speculative_algorithm='EAGLE3'")
+        _ = self.model.loras  # its parse checks the entries
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
 
@@ -327,6 +346,9 @@ class EngineConfig:
         if generation not in ("auto", "vllm") and not os.path.isfile(os.path.join(generation, GENERATION_CONFIG)):
             raise ConfigError(f"generation_config {generation!r} is not a folder holding {GENERATION_CONFIG} "
                               f"(or 'auto', 'vllm')")
+        for name, folder in m.loras.items():
+            if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is no adapter folder (no adapter_config.json)")
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len, generation_config=model if generation == "auto" else generation)
         spec = self.speculative

@@ -16,10 +16,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None
-                 ) -> list[RequestOutput]:
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 lora: Union[str, Sequence[Optional[str]], None] = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order. Without
-        sampling_params, the model's sampling defaults (its generation_config.json) apply.
+        sampling_params, the model's sampling defaults (its generation_config.json) apply. lora: the name of a
+        LoRA adapter (`lora_modules`) for every prompt, or one name (or None: the base model) per prompt.
 
         Every prompt is validated before any work starts, so one bad prompt fails the call cleanly.
         """
@@ -30,11 +31,15 @@ class LLM:
             sampling_params = [sampling_params or self.engine.default_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
         engine = self.engine
-        for p, sp in zip(prompts, sampling_params):
+        for p, sp, name in zip(prompts, sampling_params, loras):
             engine.check_prompt(engine.tokenize(p))
+            engine.lora_slot(name)
             sp.validate()
-        ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, sampling_params)]
+        ids = [engine.add_request(p, sp, lora=name).request_id for p, sp, name in zip(prompts, sampling_params, loras)]
         final: dict[str, RequestOutput] = {}
         try:
             while engine.has_unfinished():

@@ -55,18 +55,20 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     # ---- caller side (event loop thread) ------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Validate, submit and stream one request. Validation errors raise before anything runs."""
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
+                       lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Validate, submit and stream one request (lora: its adapter's name). Validation errors raise before
+        anything runs."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.engine.tokenize(prompt)
         self.engine.check_prompt(ids)
+        self.engine.lora_slot(lora)
         params.validate()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._command(("add", ids, params, request_id))
+        self._command(("add", ids, params, request_id, lora))
         finished = False
         try:
             while True:
@@ -109,9 +111,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, ids, params, request_id = cmd
+                _, ids, params, request_id, lora = cmd
                 try:
-                    self.engine.add_request(ids, params, request_id)
+                    self.engine.add_request(ids, params, request_id, lora)
                 except ValueError as e:  # raced with validation: report to this request only
                     self._deliver(request_id, e)
             else:

@@ -203,7 +203,7 @@ class BlockManager:
 
     def _state(self, seq: Sequence) -> SeqPrefix:
         if seq.prefix_state is None:
-            seq.prefix_state = SeqPrefix()
+            seq.prefix_state = SeqPrefix(seq.cache_salt)
         return seq.prefix_state
 
     def _place(self, node: CachedBlock, block: int) -> None:

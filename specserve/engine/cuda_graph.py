@@ -97,6 +97,7 @@ class StepInputs:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_items: list[tuple[int, int]] = field(default_factory=list)
     prompt_top: int = 0
+    loras: list[int] = field(default_factory=list)  # per sequence: its LoRA adapter slot (empty: none uses one)
 
 
 def resolve_ids(ids: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
@@ -250,8 +251,8 @@ class GraphRunner:
     # ---- replay -------------------------------------------------------------------------------
     def graph_for(self, step: StepInputs) -> tuple[int, int] | None:
         """The key of the graph that replays this step: (batch size, tokens per sequence), or (0, tokens) for a
-        mixed graph; None: it runs eagerly."""
-        if step.prompt_rows:
+        mixed graph; None: it runs eagerly (steps with prompt-logprob rows, or LoRA adapters)."""
+        if step.prompt_rows or step.loras:
             return None
         q = step.q_lens[0]
         if q in self.sizes and all(n == q for n in step.q_lens) and len(step.logit_index) == len(step.ids):

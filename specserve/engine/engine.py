@@ -196,6 +196,7 @@ class LLMEngine:
         self.copy_events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
         self._flip = 0
         self.requests: dict[str, Sequence] = {}
+        self.loras = {name: slot for slot, name in enumerate(config.model.loras, start=1)}  # adapter -> slot
         self._ids = itertools.count()
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
 
@@ -220,8 +221,10 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None) -> Sequence:
-        """Validate and queue a request. Raises RequestError (or ValueError for params) before any work."""
+                    request_id: Optional[str] = None, lora: Optional[str] = None) -> Sequence:
+        """Validate and queue a request (lora: the name of the LoRA adapter to run it with; None: the base
+        model). Raises RequestError (or ValueError for params) before any work."""
+        slot = self.lora_slot(lora)
         params = params or self.default_params()
         params.validate()
         params.check_token_ids(self.arch.vocab_size)
@@ -233,10 +236,20 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens) \
             if self.tokenizer is not None else None
         # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
-        seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok)
+        seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok, slot,
+                       f"lora:{lora}".encode() if slot else None)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def lora_slot(self, lora: Optional[str]) -> int:
+        """The slot of the adapter named lora (0 for None); RequestError for a name this engine does not serve."""
+        if lora is None:
+            return 0
+        if lora not in self.loras:
+            served = ", ".join(self.loras) or "none"
+            raise RequestError(f"unknown LoRA adapter {lora!r} (this engine serves: {served})")
+        return self.loras[lora]
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""

@@ -13,11 +13,13 @@ import torch
 
 from ..config import EngineConfig
 from ..device import to_device
+from ..layers import lora
 from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
 from ..models import ArchConfig, load_model
+from ..models.lora import load_adapter
 from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts, resolve_ids
 from .distributed import Ranks
 from .sequence import ScheduledSeq, Sequence, TokenLogprob
@@ -90,6 +92,8 @@ class ModelRunner:
         with building(ranks.tp if ranks else WHOLE):
             self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
                                     config.model.seed)
+        for slot, folder in enumerate(config.model.loras.values(), start=1):
+            load_adapter(self.model, folder, slot)
         self.num_blocks = ranks.min(self._kv_blocks()) if ranks else self._kv_blocks()
         if config.speculative.enabled:  # the draft head runs on rank 0 alone
             embedding = self.model.embedding().whole()
@@ -202,9 +206,12 @@ class ModelRunner:
             if seq.params.prompt_logprobs is not None:
                 self._prompt_rows(step, i, seq, start, n, offsets[-1])
             step.q_lens.append(n)
+            step.loras.append(seq.lora)
             step.req_indices.append(seq.req_index)
             step.seq_lens.append(start + n)
             step.block_tables.append(seq.block_table)
+        if not any(step.loras):
+            step.loras = []
         return step, rows, offsets, drafts
 
     @staticmethod
@@ -285,7 +292,8 @@ class ModelRunner:
                                      self.group, trees, self.kv_cache)
         aux_layers = self._own_aux(aux_layers)
         ids, positions = resolve_ids(self._ids(step.ids), self.pending_tokens), self._ids(step.positions)
-        hidden, aux = self.model(ids, positions, meta, aux_layers)
+        with lora.applied(lora.batch_of(step.loras, step.q_lens, self.device) if step.loras else None):
+            hidden, aux = self.model(ids, positions, meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)])
         prompt = self.prompt_logprobs(hidden, step) if step.prompt_rows else None
         if not aux:

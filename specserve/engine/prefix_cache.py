@@ -52,14 +52,15 @@ class SeqPrefix:
     """A request's view of the index: its full blocks' chain hashes (content only, so they survive
     preemption) and the cached blocks its block table holds, in order (block_table[i] == nodes[i].block)."""
 
-    def __init__(self) -> None:
+    def __init__(self, salt: Optional[bytes] = None) -> None:
+        self.salt = salt  # the first block's parent hash (None: no salt)
         self.hashes: list[bytes] = []
         self.nodes: list[CachedBlock] = []
         self.stopped = False  # another block holds one of its hashes: register nothing further
 
     def hashes_for(self, token_ids: list[int], num_blocks: int, block_size: int, hash_fn: HashFn) -> list[bytes]:
         for i in range(len(self.hashes), num_blocks):
-            parent = self.hashes[i - 1] if i else None
+            parent = self.hashes[i - 1] if i else self.salt
             self.hashes.append(hash_fn(parent, token_ids[i * block_size:(i + 1) * block_size]))
         return self.hashes
 

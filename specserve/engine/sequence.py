@@ -39,9 +39,14 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], max_model_len: int, detokenizer: IncrementalDetokenizer | None):
+                 eos_token_ids: set[int], max_model_len: int, detokenizer: IncrementalDetokenizer | None,
+                 lora: int = 0, cache_salt: Optional[bytes] = None):
+        """lora: the adapter slot its model runs with (0: the base model); cache_salt: what its prefix-cache
+        hashes start from (requests with different salts share no KV: an adapter's differ from the base's)."""
         self.request_id = request_id
         self.params = params
+        self.lora = lora
+        self.cache_salt = cache_salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

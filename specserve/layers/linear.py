@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import triton_gemv
+from .lora import LoRAWeights, add_lora
 from .parallel import current
 
 
@@ -107,9 +108,10 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.register_buffer("weight_scale", None, persistent=False)  # [out] once quantize_int8 ran
+        self.loras: dict[int, LoRAWeights] = {}  # adapter slot -> its matrices (layers/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return add_lora(self.loras, x, linear(x, self.weight, self.bias, self.weight_scale))
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8 rows, each with one bfloat16 scale (symmetric, its largest magnitude to
@@ -230,6 +232,6 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded, "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, scale=self.weight_scale)
+        y = add_lora(self.loras, x, linear(x, self.weight, scale=self.weight_scale))  # partial sums, deltas too
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

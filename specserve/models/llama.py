@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import linear, triton_gemv, triton_ops
+from ..layers import linear, lora, triton_gemv, triton_ops
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -177,9 +177,9 @@ class LlamaModel(nn.Module):
         FUSED_ROWS, routed experts up to `triton_moe.DIRECT_TOKENS`). A decode step at batch 1, or its verify, is
         its weights' reads; the path fuses each layer's norms, rotary, cache write, activation and residual adds
         into the products (`triton_gemv`): five launches a dense layer where there were nine to eleven, nine a
-        layer of experts where there were eleven."""
+        layer of experts where there were eleven. Not while LoRA adapters apply (their deltas are `forward`'s)."""
         n = h.shape[0]
-        return (0 < n <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h)
+        return (0 < n <= FUSED_ROWS and linear.GEMV_ROWS >= 1 and triton_ops.use_triton(h) and not lora.active()
                 and h.dtype in (torch.bfloat16, torch.float16) and self.norm.weight.dtype == h.dtype
                 and self.tp.size == 1 and all(layer.mlp.fuses(n) for layer in self.layers))
 

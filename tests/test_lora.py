@@ -1,0 +1,191 @@
+"""LoRA adapters (PEFT's format) against merged checkpoints: an adapter's greedy output equals transformers' on a
+copy of the base model whose weights have the adapter merged in (W + scale * B A), token for token, for the
+dense families, with requests of two adapters and of the base model in one batch (their prompts shared, so the
+prefix cache must keep their KV apart), under chunked prefill and preemption, on two tensor-parallel ranks, and
+with EAGLE-3 speculation (lossless: its tokens equal plain decoding's). Adapters the engine cannot serve fail
+at load with an error naming the problem."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import SamplingParams
+from specserve.config import ConfigError
+from specserve.engine.engine import RequestError
+from specserve.models.lora import LoRAError
+
+from .conftest import assert_pool_full, hf_greedy, make_hf_checkpoint, make_llm, mixed_prompts
+from .eagle_utils import make_eagle3_checkpoint
+from .test_prompt_logprobs import EagerGraphs
+
+TOKENS = 24
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(path: str, base: str, targets: tuple, rank: int, seed: int, rslora: bool = False,
+                 **config) -> str:
+    """A random PEFT adapter on `targets` of every layer of `base` (B non-zero, unlike PEFT's initialization)."""
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, w in weights.items():
+        module = name.removesuffix(".weight")
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
+            continue
+        out, inp = w.shape
+        prefix = f"base_model.model.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.3
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.3
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+                   "use_rslora": rslora, "bias": "none", "base_model_name_or_path": base, **config}, f)
+    return path
+
+
+def merged(path: str, base: str, adapter: str) -> str:
+    """A copy of base with the adapter merged into its weights."""
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    lora = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(base, "model.safetensors"))
+    for name in list(weights):
+        a = lora.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        if a is not None:
+            b = lora[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"]
+            r = a.shape[0]
+            scale = config["lora_alpha"] / (math.sqrt(r) if config["use_rslora"] else r)
+            weights[name] = weights[name] + scale * (b @ a)
+    os.makedirs(path, exist_ok=True)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    for extra in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(base, extra)):
+            with open(os.path.join(base, extra)) as src, open(os.path.join(path, extra), "w") as dst:
+                dst.write(src.read())
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Per family: the base folder and two adapters (attention only, rank 4; everything, rank 8 with rsLoRA), each
+    with its merged copy."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for i, arch in enumerate(("llama", "qwen2", "qwen3")):
+        base = make_hf_checkpoint(str(root / arch), arch, seed=10 + i)
+        a = make_adapter(str(root / f"{arch}-a"), base, ATTN, 4, seed=1)
+        b = make_adapter(str(root / f"{arch}-b"), base, ATTN + MLP, 8, seed=2, rslora=True)
+        out[arch] = base, {"a": (a, merged(str(root / f"{arch}-a-merged"), base, a)),
+                           "b": (b, merged(str(root / f"{arch}-b-merged"), base, b))}
+    return out
+
+
+def options(adapters: dict, **kw) -> dict:
+    return dict(lora_modules=",".join(f"{name}={folder}" for name, (folder, _) in adapters.items()),
+                speculative_algorithm="none", **kw)
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+
+
+def expected(base: str, adapters: dict, prompts: list, names: list) -> list[list[int]]:
+    by_model = {None: base, **{name: m for name, (_, m) in adapters.items()}}
+    out = [None] * len(prompts)
+    for name, model in by_model.items():
+        rows = [i for i, n in enumerate(names) if n == name]
+        for i, tokens in zip(rows, hf_greedy(model, [prompts[i] for i in rows], TOKENS)):
+            out[i] = tokens
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_adapters_equal_their_merged_models_in_one_batch(pairs, arch):
+    base, adapters = pairs[arch]
+    prompts = mixed_prompts(4, 256, seed=3)
+    prompts, names = prompts * 3, [None] * 4 + ["a"] * 4 + ["b"] * 4  # the same prompts under each model
+    llm = make_llm(base, **options(adapters))
+    outs = llm.generate(prompts, greedy(), lora=names)
+    assert [o.token_ids for o in outs] == expected(base, adapters, prompts, names)
+    assert_pool_full(llm)
+
+
+def test_chunked_prefill_preemption_and_cached_prefixes(pairs):
+    base, adapters = pairs["llama"]
+    prompts = mixed_prompts(6, 256, seed=4, lo=40, hi=90)
+    names = ["a", None, "b", "a", "b", None]
+    want = expected(base, adapters, prompts, names)
+    llm = make_llm(base, **options(adapters, max_num_batched_tokens=48, num_kv_blocks=24, max_model_len=256))
+    for _ in range(2):  # the second round starts on the first's cached blocks
+        assert [o.token_ids for o in llm.generate(prompts, greedy(), lora=names)] == want
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.blocks.stats.num_hits > 0
+    assert_pool_full(llm)
+
+
+def test_two_tensor_parallel_ranks_equal_one(pairs):
+    base, adapters = pairs["qwen2"]
+    prompts, names = mixed_prompts(3, 256, seed=5) * 2, [None, "a", "b", "b", "a", None]
+    one = make_llm(base, **options(adapters)).generate(prompts, greedy(), lora=names)
+    llm = make_llm(base, **options(adapters, tensor_parallel_size=2))
+    try:
+        two = llm.generate(prompts, greedy(), lora=names)
+    finally:
+        llm.engine.close()
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
+def test_speculative_decoding_with_adapters_is_lossless(pairs, tmp_path):
+    base, adapters = pairs["llama"]
+    draft = make_eagle3_checkpoint(str(tmp_path / "draft"), base)
+    prompts, names = mixed_prompts(4, 256, seed=6) * 2, ["a", None, "b", "a", "b", None, "a", "b"]
+    plain = make_llm(base, **options(adapters)).generate(prompts, greedy(), lora=names)
+    spec = make_llm(base, **dict(options(adapters), speculative_algorithm="EAGLE3",
+                                 speculative_draft_model_path=draft, speculative_policy="always"))
+    outs = spec.generate(prompts, greedy(), lora=names)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert spec.engine.stats.spec.num_drafts > 0
+
+
+def test_bad_adapters_and_names_are_refused(pairs, tmp_path):
+    base, adapters = pairs["llama"]
+    folder, _ = adapters["a"]
+    llm = make_llm(base, **options({"a": adapters["a"]}))
+    with pytest.raises(RequestError, match="unknown LoRA adapter 'b'"):
+        llm.generate([[5, 6]], greedy(), lora="b")
+    dora = make_adapter(str(tmp_path / "dora"), base, ATTN, 4, seed=1, use_dora=True)
+    with pytest.raises(LoRAError, match="use_dora"):
+        make_llm(base, lora_modules=f"d={dora}", speculative_algorithm="none")
+    head = make_adapter(str(tmp_path / "head"), base, ("lm_head",), 4, seed=1)
+    with pytest.raises(LoRAError, match="lm_head is not supported"):
+        make_llm(base, lora_modules=f"h={head}", speculative_algorithm="none")
+    for value, words in [("a", "not name=folder"), (f"a={folder},a={folder}", "twice"),
+                         (f"x={tmp_path}", "no adapter folder")]:
+        with pytest.raises(ConfigError, match=words):
+            make_llm(base, lora_modules=value, speculative_algorithm="none")
+
+
+class LoRAEagerGraphs(EagerGraphs):
+    def replay(self, key, step, pending):
+        assert not step.loras, "a step with LoRA rows replayed a graph"
+        return super().replay(key, step, pending)
+
+
+def test_steps_with_adapter_rows_replay_no_graph(pairs):
+    """The runner's graph branch on the CPU (a stand-in graph runner, as in test_prompt_logprobs): steps with
+    adapter rows run eagerly, base-only steps replay; tokens equal a run without graphs."""
+    base, adapters = pairs["llama"]
+    prompts, names = mixed_prompts(4, 256, seed=7), ["a", None, "b", None]
+    params = [SamplingParams(temperature=0, max_tokens=8 if name else 24, ignore_eos=True) for name in names]
+    llm = make_llm(base, **options(adapters))
+    want = llm.generate(prompts, params, lora=names)
+    llm.engine.runner.graphs = LoRAEagerGraphs(llm.engine.runner)
+    got = llm.generate(prompts, params, lora=names)
+    assert llm.engine.runner.graphs.replays > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
