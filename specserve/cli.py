@@ -49,7 +49,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             caster = {"int": int, "float": float}.get(kind, str)
             group.add_argument(flag, dest=name, type=caster, default=None, choices=f.metadata.get("choices"),
-                               help=help_text)
+                               nargs="+" if f.metadata.get("many") else None, help=help_text)
     group.add_argument("--tp", dest="tensor_parallel_size", type=int, default=None,
                        help="same as --tensor-parallel-size")
 
@@ -67,7 +67,8 @@ def launched_worker(config: EngineConfig) -> int | None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options the user actually gave (defaults stay with the config)."""
-    return {name: getattr(args, name) for name in option_table() if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in option_table() if getattr(args, name, None) is not None}
+    return {name: ",".join(v) if isinstance(v, list) else v for name, v in given.items()}  # `many` options
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,9 @@ class ConfigError(ValueError):
     """An option is unknown, has the wrong type, or contradicts another option."""
 
 
-def _opt(default, help: str, choices: tuple | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default, help: str, choices: tuple | None = None, many: bool = False):
+    """A config field; many: a comma-separated list, which the command line also takes as several words."""
+    return field(default=default, metadata={"help": help, "choices": choices, "many": many})
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ModelConfig:
                                           "folder's generation_config.json (as vLLM), 'vllm' = none, or a folder "
                                           "holding one")
     lora_modules: Optional[str] = _opt(None, "LoRA adapters (PEFT folders) served beside the model, as name=folder, "
-                                             "comma-separated; a request names one as its model")
+                                             "comma-separated; a request names one as its model", many=True)
 
     @property
     def loras(self) -> dict[str, str]:

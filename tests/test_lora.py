@@ -189,3 +189,47 @@ def test_steps_with_adapter_rows_replay_no_graph(pairs):
     got = llm.generate(prompts, params, lora=names)
     assert llm.engine.runner.graphs.replays > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_the_server_serves_adapters_by_model_name(tmp_path):
+    """`serve --lora-modules a=... b=...`: /v1/models lists the adapters; completions, chat and /generate run
+    the adapter a request names (the offline engine's tokens); other names get 404."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("openai")
+    from specserve.assets import make_tiny_checkpoint
+
+    from .test_server import MODEL, chat_prompt_ids, serving
+
+    base = str(tmp_path / "tiny")
+    make_tiny_checkpoint(base)
+    folders = {name: make_adapter(str(tmp_path / name), base, targets, rank, seed)
+               for name, targets, rank, seed in [("a", ATTN, 4, 1), ("b", ATTN + MLP, 8, 2)]}
+    modules = [f"{name}={folder}" for name, folder in folders.items()]
+    llm = make_llm(base, lora_modules=",".join(modules), speculative_algorithm="none")
+    prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Sort a list."}]
+    for srv in serving(tmp_path / "server.log", "--model", base, "--lora-modules", *modules,
+                       "--speculative-algorithm", "none"):
+        client = srv.client()
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {MODEL, "a", "b"} and cards["a"].model_extra["parent"] == MODEL
+        assert cards["b"].model_extra["root"] == folders["b"]
+        texts = set()
+        for name in ("a", "b", None):
+            [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), lora=name)
+            r = client.completions.create(model=name or MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == want.text
+            texts.add(want.text)
+            [want] = llm.generate([chat_prompt_ids(llm, messages)], greedy(), lora=name)
+            r = client.chat.completions.create(model=name or MODEL, messages=messages, max_tokens=TOKENS,
+                                               temperature=0, extra_body={"ignore_eos": True})
+            assert r.choices[0].message.content == want.text
+        assert len(texts) == 3  # the adapters change the output
+        [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora="a")
+        r = httpx.post(srv.url + "/generate", json={"text": prompt, "lora_path": "a", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60)
+        assert r.json()["output_ids"] == want.token_ids
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "c", "prompt": "x"}, timeout=30)
+        assert r.status_code == 404 and "'a', 'b'" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/generate", json={"text": "x", "lora_path": "c"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"

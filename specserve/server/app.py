@@ -142,10 +142,14 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     app.state.server = state
     created = int(time.time())
 
-    def model_card() -> dict:
-        engine = state.serving_engine()
-        return {"id": state.model_name, "object": "model", "created": created, "owned_by": "specserve",
-                "max_model_len": engine.engine.config.model.max_model_len}
+    def model_card(name: str) -> dict:
+        """The served model's card, or an adapter's (with its folder and the model it adapts)."""
+        config = state.serving_engine().engine.config.model
+        card = {"id": name, "object": "model", "created": created, "owned_by": "specserve",
+                "max_model_len": config.max_model_len}
+        if name != state.model_name:
+            card.update(root=config.loras[name], parent=state.model_name)
+        return card
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
@@ -166,12 +170,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401, 500, 503))
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [model_card()]})
+        state.serving_engine()
+        return JSONResponse({"object": "list", "data": [model_card(m) for m in [state.model_name, *state.adapters]]})
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404, 500, 503))
     async def model(model_id: str) -> JSONResponse:
         state.check_model(model_id)
-        return JSONResponse(model_card())
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions", **_generation_docs(CompletionRequest, CompletionResponse, CompletionChunk))
     async def completions(request: Request) -> Response:

@@ -161,4 +161,5 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                 reasoning_parser=state.options.reasoning_parser, tools=sub.tool_parser,
                                 guided=sub.params.guided, frame=sub.frame, schemas=req.template_tools())
                   for index in range(req.num_choices)]
-    return await respond(request, state, req, [(sub.prompt_ids, sub.params)], formatters)
+    return await respond(request, state, req, [(sub.prompt_ids, sub.params)], formatters,
+                         lora=state.lora_for(req.model))

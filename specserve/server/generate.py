@@ -3,11 +3,11 @@
 `text` (a string or a list of them) or `input_ids` (a list of ids or a list of lists), `sampling_params` (one
 dict for all, or one per prompt: max_new_tokens (default 128), temperature, top_p, top_k, min_p, the
 penalties, min_new_tokens, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, n, regex,
-json_schema, ebnf, logit_bias, seed), `stream`. The answer, per prompt (and choice): `text`, `output_ids` and
-`meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort", and "length" for length},
-`prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix cache); one object for one
-prompt, a list for a list. Streamed, each event is the object so far (cumulative text, with `index` for a
-list), then `data: [DONE]`.
+json_schema, ebnf, logit_bias, seed), `stream`, `lora_path` (a served adapter's name). The answer, per prompt
+(and choice): `text`, `output_ids` and `meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort",
+and "length" for length}, `prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix
+cache); one object for one prompt, a list for a list. Streamed, each event is the object so far (cumulative
+text, with `index` for a list), then `data: [DONE]`.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class GenerateRequest(BaseModel):
     sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
     stream: bool = False
     rid: Optional[str] = None
+    lora_path: Optional[str] = None  # the name of a served LoRA adapter (SGLang's field)
 
     @property
     def include_usage(self) -> bool:  # what the shared stream writer asks of an OpenAI request
@@ -169,4 +170,7 @@ async def generate(request: Request, state: ServerState) -> Response:
         for choice in choice_params(params, n):  # seeded: choice j uses seed + j, as on /v1/*
             jobs.append((ids, choice))
             formatters.append(GenerateFormatter(envelope, len(formatters) if req.batched or n > 1 else None))
-    return await respond(request, state, req, jobs, formatters, body=_body)
+    if req.lora_path is not None and req.lora_path not in state.adapters:
+        served = ", ".join(state.adapters) or "none"
+        raise bad_request(f"unknown LoRA adapter {req.lora_path!r} (this server serves: {served})", "lora_path")
+    return await respond(request, state, req, jobs, formatters, body=_body, lora=req.lora_path)

@@ -181,6 +181,8 @@ class ModelCard(_Response):
     created: int
     owned_by: str
     max_model_len: int
+    root: str = _sometimes("a LoRA adapter's: its folder")
+    parent: str = _sometimes("a LoRA adapter's: the model it adapts")
 
 
 class ModelList(_Response):

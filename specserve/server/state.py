@@ -61,11 +61,22 @@ class ServerState:
                                f"{engine_failure(self.engine)}")
         return self.engine
 
+    @property
+    def adapters(self) -> dict[str, int]:
+        """The LoRA adapters served beside the model: name -> slot."""
+        return self.engine.engine.loras if self.engine is not None else {}
+
     def check_model(self, model: Optional[str]) -> None:
-        """A request for another model gets 404, as from OpenAI and vLLM."""
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+        """A request for another model (neither the served one nor one of its adapters) gets 404, as from OpenAI
+        and vLLM."""
+        if model is not None and model != self.model_name and model not in self.adapters:
+            served = ", ".join(repr(m) for m in [self.model_name, *self.adapters])
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
                            "not_found_error", param="model", code="model_not_found")
+
+    def lora_for(self, model: Optional[str]) -> Optional[str]:
+        """The adapter a request naming `model` runs with (None: the base model)."""
+        return model if model != self.model_name and model in self.adapters else None
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""
