@@ -4,7 +4,8 @@ The request becomes a chat request (protocol_responses.py), so the prompt, the s
 and structured output are chat's. The output is split by the same parsers into output items, in the order
 they begin: a `reasoning` item (with --reasoning-parser), one `message` (its text, and with logprobs every
 output token's, as chat lists them), a `function_call` per tool call. A response cut by max_output_tokens is
-"incomplete". Streamed, it is OpenAI's typed events (`event: <type>` and its JSON with a sequence_number):
+"incomplete". An output with no item (its tokens decode to no text) answers with an empty message. Streamed, it
+is OpenAI's typed events (`event: <type>` and its JSON with a sequence_number):
 response.created / in_progress, then per item output_item.added, content_part.added, the text, reasoning
 or argument deltas, their .done events and output_item.done, and last response.completed (or
 response.incomplete; response.failed when the server aborts the request or the engine fails, after an
@@ -108,8 +109,7 @@ class ResponseFormatter(ChatFormatter):
         if delta.content:
             if self.message is None:
                 events += self._close_open("completed")
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                self.message = self._start({"type": "message", "role": "assistant"}, part, events)
+                self._start_message(events)
             events.append(self._text_delta("response.output_text.delta", self.message, delta.content))
         for piece in delta.tool_calls:
             if piece.name is not None:
@@ -122,6 +122,10 @@ class ResponseFormatter(ChatFormatter):
                 events.append({"type": "response.function_call_arguments.delta", "item_id": self.items[index]["id"],
                                "output_index": index, "delta": piece.arguments})
         return events
+
+    def _start_message(self, events: list[dict]) -> None:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.message = self._start({"type": "message", "role": "assistant"}, part, events)
 
     def _start(self, fields: dict, part: Optional[dict], events: list[dict]) -> int:
         """A new item (with its one content part, if any), announced in `events`; its output index."""
@@ -169,6 +173,8 @@ class ResponseFormatter(ChatFormatter):
     def _finish(self, out: RequestOutput) -> list[dict]:
         status = self._status(out)
         events = []
+        if not self.items:  # an output of no text at all (tokens that decode to nothing) still answers
+            self._start_message(events)
         if self.waiting_logprobs and self.message is not None:  # tokens after the message's last text
             events.append(self._text_delta("response.output_text.delta", self.message, ""))
         item_status = "incomplete" if status == "incomplete" else "completed"
