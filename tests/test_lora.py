@@ -11,13 +11,12 @@ import math
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import SamplingParams
 from specserve.config import ConfigError
 from specserve.engine.engine import RequestError
-from specserve.models.lora import LoRAError
+from specserve.models.lora import LoRAError, random_adapter
 
 from .conftest import assert_pool_full, hf_greedy, make_hf_checkpoint, make_llm, mixed_prompts
 from .eagle_utils import make_eagle3_checkpoint
@@ -30,24 +29,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 def make_adapter(path: str, base: str, targets: tuple, rank: int, seed: int, rslora: bool = False,
                  **config) -> str:
-    """A random PEFT adapter on `targets` of every layer of `base` (B non-zero, unlike PEFT's initialization)."""
-    weights = load_file(os.path.join(base, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, w in weights.items():
-        module = name.removesuffix(".weight")
-        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in targets:
-            continue
-        out, inp = w.shape
-        prefix = f"base_model.model.{module}"
-        tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.3
-        tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.3
-    os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-                   "use_rslora": rslora, "bias": "none", "base_model_name_or_path": base, **config}, f)
-    return path
+    return random_adapter(path, base, targets, rank, seed, use_rslora=rslora, **config)
 
 
 def merged(path: str, base: str, adapter: str) -> str:

@@ -116,3 +116,29 @@ def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str,
     except (ValueError, RuntimeError) as e:
         raise LoRAError(f"{folder}: {module}: {e}") from None
     return LoRAWeights(a_local, b_local)
+
+
+def random_adapter(path: str, base: str, targets: tuple[str, ...], rank: int, seed: int, scale: float = 0.3,
+                   **config) -> str:
+    """Write a random PEFT adapter for the model folder `base` to `path` (tests and benchmarks, as checkpoint.py
+    writes models for them): lora_A and lora_B on the projections named in `targets` (q_proj, ..., down_proj)
+    of every layer, B non-zero unlike PEFT's initialization, lora_alpha 2 * rank; `config` adds to
+    adapter_config.json. Returns path."""
+    from safetensors.torch import save_file
+
+    from .loader import iterate_tensors
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, w in iterate_tensors(base):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
+            out, inp = w.shape
+            tensors[f"{PREFIX}{module}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * scale
+            tensors[f"{PREFIX}{module}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * scale
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, WEIGHTS[0]))
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
+                   "bias": "none", "base_model_name_or_path": base, **config}, f)
+    return path
