@@ -81,6 +81,8 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(256, "most requests running at once")
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts across steps")
+    scheduling_policy: str = _opt("fcfs", "the order requests run in: fcfs = arrival; priority = each request's "
+                                          "priority (lower first), then arrival", ("fcfs", "priority"))
 
 
 @dataclass(frozen=True)

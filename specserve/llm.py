@@ -5,6 +5,7 @@ from typing import Optional, Sequence, Union
 
 from .config import EngineConfig
 from .engine.engine import LLMEngine, Prompt, RequestOutput
+from .engine.sequence import RequestOptions
 from .sampling_params import SamplingParams
 
 
@@ -17,10 +18,12 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 lora: Union[str, Sequence[Optional[str]], None] = None) -> list[RequestOutput]:
+                 lora: Union[str, Sequence[Optional[str]], None] = None,
+                 priority: Union[int, Sequence[int]] = 0) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished output per prompt, in order. Without
         sampling_params, the model's sampling defaults (its generation_config.json) apply. lora: the name of a
-        LoRA adapter (`lora_modules`) for every prompt, or one name (or None: the base model) per prompt.
+        LoRA adapter (`lora_modules`) for every prompt, or one name (or None: the base model) per prompt;
+        priority: under scheduling_policy 'priority', one for all or one per prompt (lower runs first).
 
         Every prompt is validated before any work starts, so one bad prompt fails the call cleanly.
         """
@@ -32,14 +35,17 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names")
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        if not len(loras) == len(priorities) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA names and {len(priorities)} priorities")
+        options = [RequestOptions(name, p) for name, p in zip(loras, priorities)]
         engine = self.engine
-        for p, sp, name in zip(prompts, sampling_params, loras):
+        for p, sp, opts in zip(prompts, sampling_params, options):
             engine.check_prompt(engine.tokenize(p))
-            engine.lora_slot(name)
+            engine.check_options(opts)
             sp.validate()
-        ids = [engine.add_request(p, sp, lora=name).request_id for p, sp, name in zip(prompts, sampling_params, loras)]
+        ids = [engine.add_request(p, sp, options=opts).request_id
+               for p, sp, opts in zip(prompts, sampling_params, options)]
         final: dict[str, RequestOutput] = {}
         try:
             while engine.has_unfinished():

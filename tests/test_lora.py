@@ -175,7 +175,8 @@ def test_steps_with_adapter_rows_replay_no_graph(pairs):
 
 def test_the_server_serves_adapters_by_model_name(tmp_path):
     """`serve --lora-modules a=... b=...`: /v1/models lists the adapters; completions, chat and /generate run
-    the adapter a request names (the offline engine's tokens); other names get 404."""
+    the adapter a request names (the offline engine's tokens); other names get 404. (The server schedules by
+    priority, which a request may then give.)"""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("openai")
     from specserve.assets import make_tiny_checkpoint
@@ -190,7 +191,7 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
     llm = make_llm(base, lora_modules=",".join(modules), speculative_algorithm="none")
     prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Sort a list."}]
     for srv in serving(tmp_path / "server.log", "--model", base, "--lora-modules", *modules,
-                       "--speculative-algorithm", "none"):
+                       "--speculative-algorithm", "none", "--scheduling-policy", "priority"):
         client = srv.client()
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {MODEL, "a", "b"} and cards["a"].model_extra["parent"] == MODEL
@@ -199,7 +200,7 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
         for name in ("a", "b", None):
             [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), lora=name)
             r = client.completions.create(model=name or MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True})
+                                          extra_body={"ignore_eos": True, "priority": -2})
             assert r.choices[0].text == want.text
             outputs.add(tuple(want.token_ids))
             [want] = llm.generate([chat_prompt_ids(llm, messages)], greedy(), lora=name)

@@ -212,3 +212,24 @@ def test_token_ids_outside_the_vocabulary_in_options_are_refused_before_any_work
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.engine.add_request([1, 2, 3], params)
     assert not llm.engine.has_unfinished()
+
+
+def test_priority_policy_runs_the_most_urgent_first(hf_models, reference):
+    """One request at a time: under the priority policy they finish in order of priority (then arrival), and
+    each gives the tokens it gives alone; under fcfs a priority is refused."""
+    from specserve.engine.sequence import RequestOptions
+
+    prompts, want = reference
+    llm = make_llm(hf_models["qwen3"], scheduling_policy="priority", max_num_seqs=1)
+    engine, priorities = llm.engine, [3, 0, 1, 0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, (prompt, priority) in enumerate(zip(prompts, priorities)):
+        engine.add_request(prompt, params, f"r{i}", RequestOptions(priority=priority))
+    done = []
+    while engine.has_unfinished():
+        done += [(out.request_id, out.token_ids) for out in engine.step() if out.finished]
+    assert [rid for rid, _ in done] == ["r1", "r3", "r2", "r0"]
+    assert dict(done) == {f"r{i}": tokens for i, tokens in enumerate(want)}
+    assert [o.token_ids for o in llm.generate(prompts, params, priority=priorities)] == want
+    with pytest.raises(RequestError, match="needs scheduling_policy 'priority'"):
+        make_llm(hf_models["qwen3"]).generate(prompts[:1], params, priority=1)

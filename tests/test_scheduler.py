@@ -14,8 +14,9 @@ def make(num_blocks: int = 64, **config) -> Scheduler:
     return Scheduler(SchedulerConfig(**config), BlockManager(num_blocks, BLOCK, enable_prefix_caching=False))
 
 
-def request(name: str, prompt_len: int) -> Sequence:
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), set(), 4096, None)
+def request(name: str, prompt_len: int, priority: int = 0, arrival: int = 0) -> Sequence:
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=100), set(), 4096, None,
+                    priority=priority, arrival=arrival)
 
 
 def run(batch) -> list[tuple[str, int]]:
@@ -74,6 +75,35 @@ def test_the_latest_admitted_is_preempted_when_the_pool_runs_out():
         victim = next(q for q in s.waiting if q.request_id == name)
         assert victim.status is SequenceStatus.WAITING and victim.num_computed_tokens == 0
         assert victim.block_table == []
+
+
+def test_priority_orders_admission_and_the_running_queue():
+    s = make(max_num_seqs=2, scheduling_policy="priority")
+    for i, (name, priority) in enumerate([("a", 5), ("b", 0), ("c", 1), ("d", 0)]):
+        s.add(request(name, 2, priority, i))
+    assert run(s.schedule()) == [("b", 2), ("d", 2)]  # the most urgent first, equal ones by arrival
+    assert [q.request_id for q in s.waiting] == ["c", "a"]
+    s.add(request("e", 2, -1, 4))
+    s.finish(s.running[0])
+    assert run(s.schedule()) == [("d", 1), ("e", 2)]  # e, more urgent than any, is admitted first ...
+    assert [q.request_id for q in s.running] == ["e", "d"]  # ... and runs first from then on
+    assert run(s.schedule()) == [("e", 1), ("d", 1)]
+
+
+def test_priority_preempts_the_least_urgent_and_requeues_it_by_urgency():
+    s = make(num_blocks=3, scheduling_policy="priority")
+    for i, (name, priority) in enumerate([("a", 2), ("b", 0), ("c", 1)]):
+        s.add(request(name, BLOCK, priority, i))
+    run(s.schedule())
+    s.add(request("d", 2, 1, 3))  # waits: no block left for it
+    batch = s.schedule()  # each decode needs a new block: a (the least urgent), then c go
+    assert [item.seq.request_id for item in batch] == ["b"]
+    assert [q.request_id for q in s.waiting] == ["c", "d", "a"]  # by (priority, arrival)
+    fcfs = make(num_blocks=3)
+    for i, (name, priority) in enumerate([("a", 2), ("b", 0), ("c", 1)]):
+        fcfs.add(request(name, BLOCK, priority, i))
+    run(fcfs.schedule())
+    assert [item.seq.request_id for item in fcfs.schedule()] == ["a"]  # first come, first served
 
 
 def test_prefill_pending_names_the_steps_that_will_compute_prompt_tokens():

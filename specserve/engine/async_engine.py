@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
 from .engine import LLMEngine, Prompt, RequestOutput
+from .sequence import RequestOptions
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,19 @@ class AsyncEngine:
 
     # ---- caller side (event loop thread) ------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
-                       lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Validate, submit and stream one request (lora: its adapter's name). Validation errors raise before
-        anything runs."""
+                       options: RequestOptions = RequestOptions()) -> AsyncIterator[RequestOutput]:
+        """Validate, submit and stream one request (options: its adapter and priority). Validation errors raise
+        before anything runs."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.error!r}")
         request_id = request_id or f"req-{next(self._ids)}"
         ids = self.engine.tokenize(prompt)
         self.engine.check_prompt(ids)
-        self.engine.lora_slot(lora)
+        self.engine.check_options(options)
         params.validate()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._command(("add", ids, params, request_id, lora))
+        self._command(("add", ids, params, request_id, options))
         finished = False
         try:
             while True:
@@ -111,9 +112,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, ids, params, request_id, lora = cmd
+                _, ids, params, request_id, options = cmd
                 try:
-                    self.engine.add_request(ids, params, request_id, lora)
+                    self.engine.add_request(ids, params, request_id, options)
                 except ValueError as e:  # raced with validation: report to this request only
                     self._deliver(request_id, e)
             else:

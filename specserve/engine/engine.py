@@ -21,7 +21,7 @@ from .block_manager import make_block_manager
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ForwardOutput, ModelRunner
 from .scheduler import Scheduler
-from .sequence import ScheduledSeq, Sequence, TokenLogprob
+from .sequence import RequestOptions, ScheduledSeq, Sequence, TokenLogprob
 from .stats import EngineStats, SpecStats
 
 log = logging.getLogger(__name__)
@@ -198,6 +198,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.loras = {name: slot for slot, name in enumerate(config.model.loras, start=1)}  # adapter -> slot
         self._ids = itertools.count()
+        self._arrivals = itertools.count()  # the order requests were added in
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
 
     @property
@@ -221,10 +222,10 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None, lora: Optional[str] = None) -> Sequence:
-        """Validate and queue a request (lora: the name of the LoRA adapter to run it with; None: the base
-        model). Raises RequestError (or ValueError for params) before any work."""
-        slot = self.lora_slot(lora)
+                    request_id: Optional[str] = None, options: RequestOptions = RequestOptions()) -> Sequence:
+        """Validate and queue a request (options: its adapter and priority). Raises RequestError (or ValueError
+        for params) before any work."""
+        slot = self.check_options(options)
         params = params or self.default_params()
         params.validate()
         params.check_token_ids(self.arch.vocab_size)
@@ -237,19 +238,23 @@ class LLMEngine:
             if self.tokenizer is not None else None
         # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
         seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok, slot,
-                       f"lora:{lora}".encode() if slot else None)
+                       f"lora:{options.lora}".encode() if slot else None, options.priority, next(self._arrivals))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
 
-    def lora_slot(self, lora: Optional[str]) -> int:
-        """The slot of the adapter named lora (0 for None); RequestError for a name this engine does not serve."""
-        if lora is None:
+    def check_options(self, options: RequestOptions) -> int:
+        """The slot of the request's adapter (0: none). RequestError for an adapter this engine does not serve,
+        or a priority without the priority scheduling policy."""
+        if options.priority and self.config.scheduler.scheduling_policy != "priority":
+            raise RequestError(f"priority {options.priority} needs scheduling_policy 'priority' (this engine "
+                               f"schedules {self.config.scheduler.scheduling_policy})")
+        if options.lora is None:
             return 0
-        if lora not in self.loras:
+        if options.lora not in self.loras:
             served = ", ".join(self.loras) or "none"
-            raise RequestError(f"unknown LoRA adapter {lora!r} (this engine serves: {served})")
-        return self.loras[lora]
+            raise RequestError(f"unknown LoRA adapter {options.lora!r} (this engine serves: {served})")
+        return self.loras[options.lora]
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""

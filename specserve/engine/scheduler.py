@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run this step, and how many tokens each computes."""
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from typing import Callable
 
@@ -20,6 +21,10 @@ class Scheduler:
     admitted while the budget, the pool and max_num_seqs allow, starting from the cached blocks their
     tokens begin with. Each running sequence holds a request index below max_num_seqs (`req_index`), its row
     in per-request device buffers, from admission until it finishes or is preempted.
+
+    Under the priority policy both queues are kept in order of (priority, arrival): the most urgent run first
+    and are admitted first, and the preempted one is the least urgent running. A waiting request never
+    preempts a running one (as in vLLM).
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
@@ -29,9 +34,20 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.free_indices = list(range(config.max_num_seqs - 1, -1, -1))
+        self.by_priority = config.scheduling_policy == "priority"
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq, True)
+
+    def _enqueue(self, queue, seq: Sequence, last: bool) -> None:
+        """Into queue at its place: by (priority, arrival) under the priority policy, else at the end (last)
+        or the front."""
+        if self.by_priority:
+            bisect.insort(queue, seq, key=_urgency)
+        elif last:
+            queue.append(seq)
+        else:
+            queue.appendleft(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,7 +103,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.req_index = self.free_indices.pop()
-            self.running.append(seq)
+            self._enqueue(self.running, seq, True)
             self.blocks.admit(seq, hit, n)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
@@ -97,7 +113,7 @@ class Scheduler:
         self._release_index(seq)
         self.blocks.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._enqueue(self.waiting, seq, False)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
@@ -112,3 +128,7 @@ class Scheduler:
     def _release_index(self, seq: Sequence) -> None:
         self.free_indices.append(seq.req_index)
         seq.req_index = -1
+
+
+def _urgency(seq: Sequence) -> tuple[int, int]:
+    return seq.priority, seq.arrival

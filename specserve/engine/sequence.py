@@ -29,6 +29,15 @@ class TokenLogprob:
     rank: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """How a request runs besides its sampling: the LoRA adapter it runs with (its name; None: the base model),
+    and its priority under the priority scheduling policy (lower runs first, as in vLLM)."""
+
+    lora: Optional[str] = None
+    priority: int = 0
+
+
 class Sequence:
     """One request.
 
@@ -40,13 +49,16 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], max_model_len: int, detokenizer: IncrementalDetokenizer | None,
-                 lora: int = 0, cache_salt: Optional[bytes] = None):
+                 lora: int = 0, cache_salt: Optional[bytes] = None, priority: int = 0, arrival: int = 0):
         """lora: the adapter slot its model runs with (0: the base model); cache_salt: what its prefix-cache
-        hashes start from (requests with different salts share no KV: an adapter's differ from the base's)."""
+        hashes start from (requests with different salts share no KV: an adapter's differ from the base's);
+        priority, arrival: its place in the queues under the priority policy (lower first, then earlier)."""
         self.request_id = request_id
         self.params = params
         self.lora = lora
         self.cache_salt = cache_salt
+        self.priority = priority
+        self.arrival = arrival
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0

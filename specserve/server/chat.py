@@ -162,4 +162,4 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                                 guided=sub.params.guided, frame=sub.frame, schemas=req.template_tools())
                   for index in range(req.num_choices)]
     return await respond(request, state, req, [(sub.prompt_ids, sub.params)], formatters,
-                         lora=state.lora_for(req.model))
+                         options=state.request_options(req))

@@ -145,7 +145,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, i * req.num_choices + j,
                                       echo=echoes[i], prompt_logprobs=req.prompt_logprobs)
                   for i in range(len(prompts)) for j in range(req.num_choices)]
-    return await respond(request, state, req, prompts, formatters, lora=state.lora_for(req.model))
+    return await respond(request, state, req, prompts, formatters, options=state.request_options(req))
 
 
 def _echo(tokenizer, prompt: Union[str, list[int]], prompt_ids: list[int], prompt_only: bool, top: int) -> Echo:

@@ -19,6 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.engine import RequestError, RequestOutput
+from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import bad_request, from_validation_error
 from .formatting import Envelope, Formatter
@@ -173,4 +174,5 @@ async def generate(request: Request, state: ServerState) -> Response:
     if req.lora_path is not None and req.lora_path not in state.adapters:
         served = ", ".join(state.adapters) or "none"
         raise bad_request(f"unknown LoRA adapter {req.lora_path!r} (this server serves: {served})", "lora_path")
-    return await respond(request, state, req, jobs, formatters, body=_body, lora=req.lora_path)
+    return await respond(request, state, req, jobs, formatters, body=_body,
+                         options=RequestOptions(lora=req.lora_path))

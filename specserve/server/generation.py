@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import RequestError, RequestOutput
+from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request, from_validation_error, server_error, unavailable
 from .formatting import SSE_DONE, Formatter, response, sse, usage
@@ -123,20 +124,21 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 async def respond(request: Request, state: ServerState, req: SamplingRequest,
                   prompts: list[tuple[list[int], SamplingParams]], formatters: list[Formatter],
-                  body: Callable = response, events: Optional[Callable] = None, lora: Optional[str] = None
-                  ) -> Response:
+                  body: Callable = response, events: Optional[Callable] = None,
+                  options: RequestOptions = RequestOptions()) -> Response:
     """Submit one request per choice (`formatters`: n per prompt, prompt by prompt; `prompts`: each one's
     token ids and params) and answer: a stream of chunks, or one body once all have finished (`body` of
     the formatters, the finished outputs and the prompt tokens; OpenAI's by default). The usage counts each
     prompt once. `events`: the SSE body of the streams, formatters, request and prompt tokens (default: chat
-    and completion chunks ending with [DONE]); lora: the adapter the requests run with."""
+    and completion chunks ending with [DONE]); options: the requests' adapter and priority."""
     n, total, response_id = req.num_choices, len(formatters), formatters[0].envelope.id
     if total > state.requests.capacity:
         what, param = (f"n {n}", "n") if len(prompts) == 1 else (f"{len(prompts)} prompts x n {n}", "prompt")
         raise bad_request(f"{what} is more choices than this server runs at once ({state.requests.capacity})",
                           param)
     request_ids = [response_id] if total == 1 else [f"{response_id}-{i}" for i in range(total)]
-    streams = state.requests.submit([(ids, choice_params(params, n)) for ids, params in prompts], request_ids, lora)
+    streams = state.requests.submit([(ids, choice_params(params, n)) for ids, params in prompts], request_ids,
+                                    options)
     num_prompt_tokens = sum(len(ids) for ids, _ in prompts)
     if req.stream:
         async def close() -> None:  # also when the client leaves before the body starts

@@ -219,7 +219,7 @@ FORCED_CALL_NEEDS_TOOLS = {
 
 
 class SamplingFields(_Strict):
-    """The sampling fields every generation endpoint takes (OpenAI's and vLLM's extras)."""
+    """The sampling fields every generation endpoint takes (OpenAI's and vLLM's extras), and vLLM's `priority`."""
 
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
@@ -240,6 +240,7 @@ class SamplingFields(_Strict):
                                                                "completions)"), BeforeValidator(_whole)]] = None
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
     skip_special_tokens: bool = Field(True, description="false: special tokens (<|im_end|>, ...) appear in the text")
+    priority: Int = Field(0, description="with --scheduling-policy priority: lower runs first (otherwise only 0)")
 
     @field_validator("stop", mode="before")
     @classmethod

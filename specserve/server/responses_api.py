@@ -271,7 +271,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
                             schemas=chat.template_tools(), req=req, params=sub.params, tokenizer=engine.tokenizer)
     return await respond(request, state, chat, [(sub.prompt_ids, sub.params)], [fmt],
                          body=lambda formatters, outs, _: formatters[0].response(outs[0]), events=response_events,
-                         lora=state.lora_for(req.model))
+                         options=state.request_options(req))
 
 
 def not_stored(response_id: str) -> APIError:

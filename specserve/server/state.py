@@ -8,7 +8,8 @@ from typing import Optional
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
-from .errors import APIError, server_error, unavailable
+from ..engine.sequence import RequestOptions
+from .errors import APIError, bad_request, server_error, unavailable
 from .formatting import TokenText
 from .metrics import ServerMetrics
 from .options import ServerOptions
@@ -74,9 +75,14 @@ class ServerState:
             raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
                            "not_found_error", param="model", code="model_not_found")
 
-    def lora_for(self, model: Optional[str]) -> Optional[str]:
-        """The adapter a request naming `model` runs with (None: the base model)."""
-        return model if model != self.model_name and model in self.adapters else None
+    def request_options(self, req) -> RequestOptions:
+        """How a request (a model of protocol.py) runs: the adapter its `model` names, its `priority`."""
+        lora = req.model if req.model != self.model_name and req.model in self.adapters else None
+        policy = self.engine.engine.config.scheduler.scheduling_policy
+        if req.priority and policy != "priority":
+            raise bad_request(f"priority {req.priority} needs --scheduling-policy priority (this server schedules "
+                              f"{policy})", "priority")
+        return RequestOptions(lora, req.priority)
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""

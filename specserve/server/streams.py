@@ -15,6 +15,7 @@ from typing import AsyncIterator, Callable, Optional, Protocol
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import RequestOutput
+from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams
 from .errors import APIError
 
@@ -47,7 +48,8 @@ class OutputStream:
     request reaches the engine only once that event is set."""
 
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 observer: StreamObserver, after: Optional[asyncio.Event] = None, lora: Optional[str] = None):
+                 observer: StreamObserver, after: Optional[asyncio.Event] = None,
+                 options: RequestOptions = RequestOptions()):
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.times = RequestTimes(arrival=time.monotonic())
@@ -55,16 +57,16 @@ class OutputStream:
         self._observer = observer
         self._queue: asyncio.Queue = asyncio.Queue()
         self._abort_reason = "the request was cancelled"
-        self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params, after, lora),
+        self._pump_task = asyncio.create_task(self._pump(engine, prompt_ids, params, after, options),
                                               name=f"pump-{request_id}")
         self._pump_task.add_done_callback(self._pump_done)
         self._pump_task.add_done_callback(lambda _: self.started.set())
 
     async def _pump(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams,
-                    after: Optional[asyncio.Event], lora: Optional[str]) -> None:
+                    after: Optional[asyncio.Event], options: RequestOptions) -> None:
         if after is not None:
             await after.wait()
-        async for out in engine.generate(prompt_ids, params, self.request_id, lora):
+        async for out in engine.generate(prompt_ids, params, self.request_id, options):
             self._observer.on_output(self, out)
             self._queue.put_nowait(out)
             self.started.set()
@@ -142,9 +144,9 @@ class RequestRegistry:
         return len(self._streams)
 
     def submit(self, prompts: list[tuple[list[int], list[SamplingParams]]], request_ids: list[str],
-               lora: Optional[str] = None) -> list[OutputStream]:
+               options: RequestOptions = RequestOptions()) -> list[OutputStream]:
         """One request per choice of a response: per prompt, its token ids and the params of each of its
-        choices; request_ids in that order; lora: the adapter they all run with. All are taken, or none (429).
+        choices; request_ids in that order; options: their adapter and priority. All are taken, or none (429).
         With prefix caching a prompt's choices after its first reach the engine once the first has its first
         output: the prompt's KV blocks are cached by then, so the others share them."""
         count = sum(len(params) for _, params in prompts)
@@ -157,7 +159,8 @@ class RequestRegistry:
             first = None
             for choice_params in params:
                 after = first.started if first is not None and self._share_prompts else None
-                stream = OutputStream(self.engine, prompt_ids, choice_params, next(ids), self._observer, after, lora)
+                stream = OutputStream(self.engine, prompt_ids, choice_params, next(ids), self._observer, after,
+                                      options)
                 self._streams.add(stream)
                 stream.add_done_callback(self._discard)
                 streams.append(stream)
