@@ -171,7 +171,7 @@ def test_refused_requests_name_the_field(server, body, param, words):  # noqa: F
     assert error["param"] == param and words in error["message"], error
 
 
-def test_cached_input_tokens_are_the_prefix_cache_hits(server, client):  # noqa: F811
+def test_cached_input_tokens_are_the_prefix_cache_hits_within_a_cache_salt(server, client):  # noqa: F811
     text = " ".join(f"item {i}" for i in range(120))  # a prompt of several KV blocks, new to the cache
     hits = lambda: metric(httpx.get(server.url + "/metrics").text, "specserve:prefix_cache_hits_total")  # noqa: E731
     before = hits()
@@ -180,6 +180,10 @@ def test_cached_input_tokens_are_the_prefix_cache_hits(server, client):  # noqa:
     assert first.usage.input_tokens_details.cached_tokens == 0
     assert second.usage.input_tokens_details.cached_tokens == (second.usage.input_tokens - 1) // block * block > 0
     assert hits() - before == second.usage.input_tokens_details.cached_tokens
+    salted = [client.responses.create(model=MODEL, input=text, max_output_tokens=2, extra_body={"cache_salt": salt})
+              for salt in ("user-1", "user-2", "user-1")]  # vLLM's cache_salt: KV shared within a salt only
+    assert [r.usage.input_tokens_details.cached_tokens for r in salted] == [0, 0, second.usage.input_tokens_details
+                                                                                  .cached_tokens]
 
 
 def test_nothing_is_stored(server, client):  # noqa: F811

@@ -238,7 +238,7 @@ class LLMEngine:
             if self.tokenizer is not None else None
         # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
         seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok, slot,
-                       f"lora:{options.lora}".encode() if slot else None, options.priority, next(self._arrivals))
+                       options.salt(), options.priority, next(self._arrivals))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq

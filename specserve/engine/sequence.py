@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -32,10 +33,19 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class RequestOptions:
     """How a request runs besides its sampling: the LoRA adapter it runs with (its name; None: the base model),
-    and its priority under the priority scheduling policy (lower runs first, as in vLLM)."""
+    its priority under the priority scheduling policy (lower runs first, as in vLLM), and a cache salt: requests
+    share cached KV blocks only with requests of the same salt (vLLM's `cache_salt`, against prompt guessing
+    between users)."""
 
     lora: Optional[str] = None
     priority: int = 0
+    cache_salt: Optional[str] = None
+
+    def salt(self) -> Optional[bytes]:
+        """What the request's prefix-cache hashes start from: its adapter and cache salt (None: neither)."""
+        if self.lora is None and self.cache_salt is None:
+            return None
+        return json.dumps([self.lora, self.cache_salt]).encode()
 
 
 class Sequence:

@@ -241,6 +241,8 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
     skip_special_tokens: bool = Field(True, description="false: special tokens (<|im_end|>, ...) appear in the text")
     priority: Int = Field(0, description="with --scheduling-policy priority: lower runs first (otherwise only 0)")
+    cache_salt: Optional[NonEmpty] = Field(None, description="vLLM's: the request shares cached KV only with "
+                                                             "requests of the same salt")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -82,7 +82,7 @@ class ServerState:
         if req.priority and policy != "priority":
             raise bad_request(f"priority {req.priority} needs --scheduling-policy priority (this server schedules "
                               f"{policy})", "priority")
-        return RequestOptions(lora, req.priority)
+        return RequestOptions(lora, req.priority, req.cache_salt)
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""
