@@ -186,6 +186,12 @@ def test_cached_input_tokens_are_the_prefix_cache_hits_within_a_cache_salt(serve
                                                                                   .cached_tokens]
 
 
+def test_run_time_lora_routes_need_their_flag(server):  # noqa: F811
+    r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"},
+                   headers=server.headers, timeout=30)
+    assert r.status_code == 404  # served with --allow-runtime-lora-updating only (tests/test_lora.py)
+
+
 def test_nothing_is_stored(server, client):  # noqa: F811
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     with pytest.raises(openai.NotFoundError, match="stores no responses"):

@@ -118,9 +118,11 @@ def test_two_tensor_parallel_ranks_equal_one(pairs):
     llm = make_llm(base, **options(adapters, tensor_parallel_size=2))
     try:
         two = llm.generate(prompts, greedy(), lora=names)
+        llm.engine.load_lora("c", adapters["b"][0])  # at run time, on both ranks
+        late = llm.generate(prompts, greedy(), lora=["c" if n == "b" else n for n in names])
     finally:
         llm.engine.close()
-    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [o.token_ids for o in two] == [o.token_ids for o in one] == [o.token_ids for o in late]
 
 
 def test_speculative_decoding_with_adapters_is_lossless(pairs, tmp_path):
@@ -175,8 +177,8 @@ def test_steps_with_adapter_rows_replay_no_graph(pairs):
 
 def test_the_server_serves_adapters_by_model_name(tmp_path):
     """`serve --lora-modules a=... b=...`: /v1/models lists the adapters; completions, chat and /generate run
-    the adapter a request names (the offline engine's tokens); other names get 404. (The server schedules by
-    priority, which a request may then give.)"""
+    the adapter a request names (the offline engine's tokens); other names get 404. vLLM's run-time routes load
+    and unload adapters. (The server schedules by priority, which a request may then give.)"""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("openai")
     from specserve.assets import make_tiny_checkpoint
@@ -191,7 +193,8 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
     llm = make_llm(base, lora_modules=",".join(modules), speculative_algorithm="none")
     prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Sort a list."}]
     for srv in serving(tmp_path / "server.log", "--model", base, "--lora-modules", *modules,
-                       "--speculative-algorithm", "none", "--scheduling-policy", "priority"):
+                       "--speculative-algorithm", "none", "--scheduling-policy", "priority",
+                       "--allow-runtime-lora-updating"):
         client = srv.client()
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {MODEL, "a", "b"} and cards["a"].model_extra["parent"] == MODEL
@@ -216,3 +219,52 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
         assert r.status_code == 404 and "'a', 'b'" in r.json()["error"]["message"]
         r = httpx.post(srv.url + "/generate", json={"text": "x", "lora_path": "c"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        post = lambda path, body: httpx.post(srv.url + path, json=body, timeout=60)  # noqa: E731
+        r = post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": folders["a"]})
+        assert r.status_code == 200 and "added" in r.text
+        assert {m.id for m in client.models.list().data} == {MODEL, "a", "b", "c"}
+        [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), lora="a")
+        assert client.completions.create(model="c", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text == want.text
+        for body, param in [({"lora_name": "c", "lora_path": folders["b"]}, "lora_name"),
+                            ({"lora_name": "d", "lora_path": str(tmp_path / "nowhere")}, "lora_path"),
+                            ({"lora_name": "d", "lora_path": str(tmp_path)}, "lora_path")]:
+            r = post("/v1/load_lora_adapter", body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+        assert post("/v1/completions", {"model": "c", "prompt": "x"}).status_code == 404
+        assert post("/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 404
+
+
+def test_adapters_load_and_unload_at_run_time(pairs, tmp_path):
+    """An adapter loaded at run time gives what it gives loaded at start-up; one loaded again under a name gives
+    the new adapter's tokens (the prefix cache keeps each load's KV apart); an adapter in use is not unloaded;
+    one that fails to load leaves nothing behind."""
+    from specserve.engine.sequence import RequestOptions
+
+    base, adapters = pairs["llama"]
+    prompts = mixed_prompts(3, 256, seed=8, lo=40, hi=60)
+    static = make_llm(base, **options(adapters))
+    want = {name: [o.token_ids for o in static.generate(prompts, greedy(), lora=name)] for name in ("a", "b")}
+    llm = make_llm(base, speculative_algorithm="none")
+    engine = llm.engine
+    for name in ("a", "b"):
+        engine.load_lora("x", adapters[name][0])
+        assert [o.token_ids for o in llm.generate(prompts, greedy(), lora="x")] == want[name]
+        seq = engine.add_request(prompts[0], greedy(), options=RequestOptions(lora="x"))
+        with pytest.raises(RequestError, match="in use by 1"):
+            engine.unload_lora("x")
+        engine.abort(seq.request_id)
+        engine.unload_lora("x")
+    assert engine.blocks.stats.num_hits == 0  # the second load computed its prompts again: no hits of the first's KV
+    with pytest.raises(RequestError, match="unknown LoRA adapter 'x'"):
+        llm.generate(prompts[:1], greedy(), lora="x")
+    dora = make_adapter(str(tmp_path / "dora"), base, ATTN, 4, seed=1, use_dora=True)
+    with pytest.raises(LoRAError, match="use_dora"):
+        engine.load_lora("d", dora)
+    head = make_adapter(str(tmp_path / "late-head"), base, ATTN + ("lm_head",), 4, seed=1)
+    with pytest.raises(LoRAError, match="lm_head"):
+        engine.load_lora("h", head)
+    assert not engine.loras and all(not getattr(m, "loras", None) for m in engine.runner.model.modules())
+    assert_pool_full(llm)
+

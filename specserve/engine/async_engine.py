@@ -88,6 +88,16 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._command(("abort", request_id))
 
+    async def call(self, fn, *args):
+        """fn(*args) run in the engine thread between two steps (what changes the engine's state: loading an
+        adapter); its result, or its exception raised here."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._command(("call", fn, args, loop, future))
+        return await future
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -117,6 +127,13 @@ class AsyncEngine:
                     self.engine.add_request(ids, params, request_id, options)
                 except ValueError as e:  # raced with validation: report to this request only
                     self._deliver(request_id, e)
+            elif cmd[0] == "call":
+                _, fn, args, loop, future = cmd
+                try:
+                    outcome = (future.set_result, fn(*args))
+                except Exception as e:
+                    outcome = (future.set_exception, e)
+                loop.call_soon_threadsafe(_settle, future, *outcome)
             else:
                 self.engine.abort(cmd[1])
 
@@ -149,3 +166,9 @@ class AsyncEngine:
             self.engine.close()  # other tensor-parallel ranks may wait inside the failed step: end them
             for request_id in list(self._streams):
                 self._deliver(request_id, e)
+
+
+def _settle(future: asyncio.Future, setter, value) -> None:
+    """Set a call's outcome, unless its caller has gone (the future was cancelled)."""
+    if not future.done():
+        setter(value)

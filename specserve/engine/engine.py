@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
@@ -197,6 +198,9 @@ class LLMEngine:
         self._flip = 0
         self.requests: dict[str, Sequence] = {}
         self.loras = {name: slot for slot, name in enumerate(config.model.loras, start=1)}  # adapter -> slot
+        self.lora_folders = dict(config.model.loras)  # adapter -> its folder
+        self._lora_loads = itertools.count()
+        self.lora_loads = {name: next(self._lora_loads) for name in self.loras}  # adapter -> which load it is
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests were added in
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
@@ -238,10 +242,35 @@ class LLMEngine:
             if self.tokenizer is not None else None
         # a seed needs no generator: seeded tokens are keyed by (seed, position) (layers/sampler.py)
         seq = Sequence(request_id, ids, params, self.eos_token_ids, self.config.model.max_model_len, detok, slot,
-                       options.salt(), options.priority, next(self._arrivals))
+                       self._salt(options), options.priority, next(self._arrivals))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def _salt(self, options: RequestOptions) -> Optional[bytes]:
+        """What a request's prefix-cache hashes start from: its adapter (this load of it: an adapter loaded again
+        under a name shares nothing with the one before) and its cache salt; None: neither."""
+        if options.lora is None and options.cache_salt is None:
+            return None
+        return json.dumps([options.lora, self.lora_loads.get(options.lora), options.cache_salt]).encode()
+
+    def load_lora(self, name: str, folder: str) -> None:
+        """Serve the PEFT adapter in `folder` as `name` from now on (on every rank). RequestError for a name in
+        use; LoRAError for an adapter that cannot load (nothing changes then)."""
+        if name in self.loras:
+            raise RequestError(f"a LoRA adapter named {name!r} is loaded already")
+        slot = min(set(range(1, len(self.loras) + 2)) - set(self.loras.values()))
+        self.runner.load_adapter(folder, slot)
+        self.loras[name], self.lora_folders[name], self.lora_loads[name] = slot, folder, next(self._lora_loads)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name`. RequestError when no such adapter is loaded, or requests still use it."""
+        self.check_options(RequestOptions(lora=name))
+        users = sum(1 for seq in self.requests.values() if seq.lora == self.loras[name])
+        if users:
+            raise RequestError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
+        self.runner.unload_adapter(self.loras.pop(name))
+        del self.lora_folders[name], self.lora_loads[name]
 
     def check_options(self, options: RequestOptions) -> int:
         """The slot of the request's adapter (0: none). RequestError for an adapter this engine does not serve,

@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..device import to_device
 from ..layers import lora
 from ..layers.attention import attention_backend
+from ..layers.linear import LinearBase
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
@@ -141,6 +142,24 @@ class ModelRunner:
     def _own_aux(self, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
         """The auxiliary layers this rank outputs: all on rank 0 (the draft is rank 0's), none elsewhere."""
         return aux_layers if not self.ranks or self.ranks.rank == 0 else ()
+
+    # ---- LoRA adapters ----------------------------------------------------------------------
+    def load_adapter(self, folder: str, slot: int) -> None:
+        """Load the adapter in folder as `slot` here, then (it loaded) on the other ranks."""
+        self._add_adapter(folder, slot)
+        if self.ranks is not None:
+            self.ranks.send(("_add_adapter", (folder, slot)))
+
+    def _add_adapter(self, folder: str, slot: int) -> None:
+        load_adapter(self.model, folder, slot)
+
+    def unload_adapter(self, slot: int) -> None:
+        self._everywhere("_drop_adapter", slot)
+
+    def _drop_adapter(self, slot: int) -> None:
+        for module in self.model.modules():
+            if isinstance(module, LinearBase):
+                module.loras.pop(slot, None)
 
     def capture(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
         ex = self.config.execution

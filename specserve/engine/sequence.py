@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -40,12 +39,6 @@ class RequestOptions:
     lora: Optional[str] = None
     priority: int = 0
     cache_salt: Optional[str] = None
-
-    def salt(self) -> Optional[bytes]:
-        """What the request's prefix-cache hashes start from: its adapter and cache salt (None: neither)."""
-        if self.lora is None and self.cache_salt is None:
-            return None
-        return json.dumps([self.lora, self.cache_salt]).encode()
 
 
 class Sequence:

@@ -75,6 +75,7 @@ def load_adapter(model: nn.Module, folder: str, slot: int) -> None:
         parts[module[:len(module) - len(leaf)] + ours][shard, which] = tensor
     if not parts:
         raise LoRAError(f"{folder}: the adapter holds no LoRA matrices")
+    weights = {}  # every layer's first, so that an adapter that fails to load leaves none of its matrices behind
     for module, matrices in parts.items():
         try:
             layer = model.get_submodule(module)
@@ -83,7 +84,9 @@ def load_adapter(model: nn.Module, folder: str, slot: int) -> None:
         if not isinstance(layer, LinearBase):
             raise LoRAError(f"{folder}: LoRA on {module} is not supported (only the attention and dense MLP "
                             f"projections of this model)")
-        layer.loras[slot] = _layer_weights(layer, matrices, config, folder, module)
+        weights[layer] = _layer_weights(layer, matrices, config, folder, module)
+    for layer, w in weights.items():
+        layer.loras[slot] = w
 
 
 def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str, module: str) -> LoRAWeights:

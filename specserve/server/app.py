@@ -18,6 +18,7 @@ from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
 from .generate import generate
+from .lora_api import add_lora_routes
 from .middleware import ApiKey, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .protocol_responses import ResponsesRequest
@@ -148,7 +149,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         card = {"id": name, "object": "model", "created": created, "owned_by": "specserve",
                 "max_model_len": config.max_model_len}
         if name != state.model_name:
-            card.update(root=config.loras[name], parent=state.model_name)
+            card.update(root=state.engine.engine.lora_folders[name], parent=state.model_name)
         return card
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
@@ -195,6 +196,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
     async def stored_response(response_id: str) -> Response:
         raise not_stored(response_id)
+
+    if state.options.allow_runtime_lora_updating:
+        add_lora_routes(app, state)
 
     @app.post("/generate", responses=_errors(400, 401, 413, 429, 500, 503))
     async def generate_route(request: Request) -> Response:

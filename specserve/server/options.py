@@ -39,6 +39,9 @@ class ServerOptions:
                                               "with a warning naming them, as vLLM does)")
     allowed_origins: Optional[str] = _opt(None, "comma-separated origins whose web pages may call the API (CORS; "
                                                 "'*' for any); none by default")
+    allow_runtime_lora_updating: bool = _opt(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                                                    "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients may then load "
+                                                    "adapters from this machine's disk")
 
     @property
     def origins(self) -> list[str]:
