@@ -116,6 +116,9 @@ def test_range_ratio_asks_each_prompt_its_own_length(tmp_path, server):
     fixed = Endpoint(server.url, "completions", MODEL, 12)
     assert {fixed.max_tokens_for(i) for i in range(20)} == {12}
     assert fixed.body(builtin()[0], 3)["max_tokens"] == 12
+    loras = Endpoint(server.url, "completions", MODEL, 12, seed=5, loras=("a", "b"))
+    assert [loras.model_for(i) for i in range(12)] == [loras.body(builtin()[0], i)["model"] for i in range(12)]
+    assert {loras.model_for(i) for i in range(12)} == {"a", "b"} and fixed.model_for(3) == MODEL
     with pytest.raises(ValueError, match="max_tokens_range_ratio"):
         SweepOptions(max_tokens_range_ratio=0.0)
 

@@ -231,6 +231,13 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
                             ({"lora_name": "d", "lora_path": str(tmp_path)}, "lora_path")]:
             r = post("/v1/load_lora_adapter", body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        from .test_bench import bench
+
+        result = bench(tmp_path, srv.url, "--lora-modules", "a", "b", "--concurrency", "2", "--requests-per-level",
+                       "6", "--max-tokens", "4", "--ignore-eos", "--warmup", "0")
+        [level] = result["levels"]
+        assert level["completed"] == 6 and {r["model"] for r in level["requests"]} == {"a", "b"}
+        assert result["options"]["lora_modules"] == ["a", "b"]
         assert post("/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 200
         assert post("/v1/completions", {"model": "c", "prompt": "x"}).status_code == 404
         assert post("/v1/unload_lora_adapter", {"lora_name": "c"}).status_code == 404

@@ -42,6 +42,14 @@ class Endpoint:
     api_key: Optional[str] = None
     range_ratio: float = 1.0  # < 1: max_tokens per prompt, see `max_tokens_for`
     seed: int = 0
+    loras: tuple[str, ...] = ()  # LoRA adapters' names: each request names one of them as its model
+
+    def model_for(self, index: int) -> str:
+        """The model the prompt of dataset index `index` asks for: `model`, or one of `loras` drawn by (seed,
+        index) (vLLM's bench picks one at random), the same wherever the prompt is sent."""
+        if not self.loras:
+            return self.model
+        return random.Random(f"{self.seed}:lora:{index}").choice(self.loras)
 
     def max_tokens_for(self, index: int) -> int:
         """The output length the prompt of dataset index `index` asks for: max_tokens, or below range_ratio 1 a
@@ -59,7 +67,7 @@ class Endpoint:
     def body(self, prompt: Prompt, index: int = 0) -> dict:
         """The request for `prompt`, dataset index `index`."""
         max_tokens = self.max_tokens_for(index)
-        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
+        body = {"model": self.model_for(index), "stream": True, "stream_options": {"include_usage": True},
                 "temperature": self.temperature}
         if self.kind == "chat":
             body.update(messages=prompt.chat_messages(), max_completion_tokens=max_tokens)
@@ -79,6 +87,7 @@ class RequestResult:
     """One request as the client saw it; times in seconds from sending it."""
 
     prompt_index: int
+    model: Optional[str] = None  # the model (or adapter) it asked for
     ok: bool = False
     error: Optional[str] = None
     ttft: Optional[float] = None
@@ -94,7 +103,7 @@ class RequestResult:
 async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, prompt: Prompt,
                        index: int) -> RequestResult:
     """Send one streamed request and time it; never raises for a failure of the request itself."""
-    result = RequestResult(index)
+    result = RequestResult(index, endpoint.model_for(index))
     start = time.perf_counter()
     try:
         async with client.stream("POST", endpoint.url, json=endpoint.body(prompt, index),

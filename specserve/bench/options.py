@@ -34,6 +34,7 @@ class SweepOptions:
     seed: int = 0
     rounds: int = 1  # each level run this many times (interleaved across compare's servers); the median kept
     fresh_prompts: bool = False  # each level (and round) sends the next prompts of the shuffle, not the first N
+    lora_modules: tuple[str, ...] = ()  # adapters' names: each request asks for one of them (vLLM bench serve's)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -129,6 +130,9 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
     g.add_argument("--fresh-prompts", action="store_true", default=None,
                    help="each level (and round) sends the dataset's next prompts, none repeated until the dataset "
                         "runs out (no prefix-cache hits on repeated prompts); default: every level sends the first N")
+    g.add_argument("--lora-modules", nargs="+", type=str, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one of them as its model, drawn by "
+                        "prompt (vLLM's bench serve flag; default: none, the served model)")
     g.add_argument("--rounds", type=positive_int,
                    help="run the whole sweep this many times and keep each level's median round; `compare` then "
                         "starts every configuration's server up front and runs each level on each server in turn "
@@ -138,4 +142,6 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
 def sweep_options(args: argparse.Namespace, base: SweepOptions = DEFAULTS) -> SweepOptions:
     """`base` with the flags the user gave."""
     given = {f.name: getattr(args, f.name, None) for f in fields(SweepOptions)}
+    if given["lora_modules"] is not None:
+        given["lora_modules"] = tuple(given["lora_modules"])
     return replace(base, **{name: value for name, value in given.items() if value is not None})

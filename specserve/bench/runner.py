@@ -149,7 +149,8 @@ async def _start_run(name: str, base_url: str, client: httpx.AsyncClient, datase
     try:
         model = options.model or await served_model(client, base_url, options.api_key)
         run.endpoint = Endpoint(base_url, options.endpoint, model, options.max_tokens, options.temperature,
-                                options.ignore_eos, options.api_key, options.max_tokens_range_ratio, options.seed)
+                                options.ignore_eos, options.api_key, options.max_tokens_range_ratio, options.seed,
+                                options.lora_modules)
         run.result = {"base_url": base_url, "model": model, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       "options": options.record(), "num_dataset_prompts": len(dataset)}
         run.result["warmup_failed"] = await _warm_up(client, run.endpoint, dataset, options, run.rng)
