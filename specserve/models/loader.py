@@ -1,11 +1,12 @@
 """Building a model and filling its weights from a Hugging Face folder, tensor by tensor."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -13,6 +14,7 @@ from torch import nn
 
 from .config import ArchConfig, read_config
 from .interface import CausalLM
+from .quantization import check_quantization, dequantized
 from .registry import model_class
 
 log = logging.getLogger(__name__)
@@ -40,11 +42,18 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iterate_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def iterate_tensors(folder: str, quantization: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors by name, file by file; with `quantization` (config.json's quantization_config, see
+    quantization.py) FP8 weights come dequantized and their scales are consumed."""
+    with contextlib.ExitStack() as stack:
+        files = [stack.enter_context(safe_open(path, framework="pt")) for path in safetensors_files(folder)]
+        tensors = ((name, f.get_tensor(name)) for f in files for name in f.keys())
+        if quantization is None:
+            yield from tensors
+            return
+        where = {name: f for f in files for name in f.keys()}
+        lookup = lambda name: where[name].get_tensor(name) if name in where else None  # noqa: E731
+        yield from dequantized(tensors, lookup, quantization)
 
 
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]], packed: dict) -> None:
@@ -118,10 +127,11 @@ def load_model(folder: str, dtype: torch.dtype, device: torch.device, load_forma
                seed: int = 0) -> CausalLM:
     """The registered family for the folder's config.json (registry.MODELS), built and filled."""
     arch = ArchConfig.from_dict(read_config(folder))
+    quantization = check_quantization(arch.raw.get("quantization_config"))
     cls = model_class(arch.architecture)
     model = build(cls, arch, dtype, device)
     if load_format == "dummy":
         dummy_weights(model, seed)
     else:
-        load_weights(model, iterate_tensors(folder), cls.packed_modules)
+        load_weights(model, iterate_tensors(folder, quantization), cls.packed_modules)
     return model.eval()
