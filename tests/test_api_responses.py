@@ -38,7 +38,8 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model):  # noqa: F811
     yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model, "--tool-call-parser",
-                       "hermes", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE, api_key=API_KEY)
+                       "hermes", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE, "--responses-store-size",
+                       "4", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_greedy_output_equals_offline_on_the_rendered_conversation(client, llm):
     assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
     assert (r.usage.input_tokens, r.usage.output_tokens) == (len(ref.prompt_token_ids), 16)
     assert r.usage.total_tokens == r.usage.input_tokens + 16 and r.usage.output_tokens_details.reasoning_tokens == 0
-    assert r.store is False and r.model == MODEL and r.id.startswith("resp_")
+    assert r.store and r.model == MODEL and r.id.startswith("resp_")  # (this server keeps responses)
 
 
 def test_a_conversation_sent_back_renders_as_chat_messages(client, llm):  # noqa: F811
@@ -150,7 +151,6 @@ def test_streamed_events_add_up_to_the_response(client):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "item references"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content",
@@ -192,10 +192,35 @@ def test_run_time_lora_routes_need_their_flag(server):  # noqa: F811
     assert r.status_code == 404  # served with --allow-runtime-lora-updating only (tests/test_lora.py)
 
 
-def test_nothing_is_stored(server, client):  # noqa: F811
-    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.retrieve(r.id)
+def test_stored_responses_continue_their_conversation(server, client, llm):  # noqa: F811
+    """--responses-store-size 4: a response continued by previous_response_id renders the stored conversation
+    (its instructions not carried over, as in OpenAI's API) then the new input; stored responses can be retrieved
+    and deleted; `store: false` keeps one out; the oldest is dropped first."""
+    kw = dict(model=MODEL, max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    first = client.responses.create(instructions="Be brief.", input="Hi.", **kw)
+    assert first.store and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(previous_response_id=first.id, input="More.", **kw)
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "More."}]
+    prompt = rendered(llm, messages)
+    [ref] = llm.generate([prompt], greedy(8))
+    assert (second.output_text, second.usage.input_tokens) == (ref.text, len(prompt))
+    assert second.previous_response_id == first.id
+    unstored = client.responses.create(input="Hi.", store=False, **kw)
+    assert not unstored.store
+    for gone in (unstored.id, "resp_none"):
+        with pytest.raises(openai.NotFoundError, match="no response"):
+            client.responses.retrieve(gone)
+    r = httpx.delete(f"{server.url}/v1/responses/{first.id}", headers=server.headers, timeout=30)
+    assert r.json() == {"id": first.id, "object": "response.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="previous response"):
+        client.responses.create(previous_response_id=first.id, input="More.", **kw)
+    later = [client.responses.create(input=f"Turn {i}.", **kw).id for i in range(4)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)  # the oldest of five went
+    assert client.responses.retrieve(later[0]).id == later[0]
 
 
 def test_reasoning_and_a_function_call_come_back_as_items(scripted_server):  # noqa: F811
@@ -235,3 +260,35 @@ def test_structured_output_and_a_forced_function_call(client):
     [call] = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and r.status == "completed"
     jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+
+
+def test_a_stored_response_continues_as_the_chat_messages_of_its_items():
+    """A worked example without a server: an output of reasoning and a tool call is stored as the assistant message
+    that holds them, and a request continuing it with the call's output renders as chat would."""
+    from specserve import SamplingParams
+    from specserve.engine.engine import RequestOutput
+    from specserve.server.formatting import Envelope, TokenText
+    from specserve.server.protocol_responses import ResponsesRequest
+    from specserve.server.response_store import ResponseStore
+    from specserve.server.responses_api import ResponseFormatter
+
+    store = ResponseStore(2)
+    req = ResponsesRequest.model_validate({"input": "Weather in Paris?", "instructions": "Be brief.",
+                                           "tools": FLAT_TOOLS})
+    fmt = ResponseFormatter(Envelope("resp_1", "m"), TokenText(None), False, reasoning_parser="qwen3", tools="hermes",
+                            schemas=None, req=req, params=SamplingParams(), tokenizer=None, store=store,
+                            conversation=req.conversation())
+    text = '<think>Look it up.</think><tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = fmt.response(RequestOutput("r", [1, 2], [3, 4], text, [3, 4], text, True, "stop"))
+    assert [item["type"] for item in body["output"]] == ["reasoning", "function_call"]
+    call_id = body["output"][1]["call_id"]
+    [user, assistant] = store.get("resp_1").conversation
+    assert user == {"role": "user", "content": "Weather in Paris?"}
+    assert assistant == {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    follow = ResponsesRequest.model_validate({"previous_response_id": "resp_1", "input": [
+        {"type": "function_call_output", "call_id": call_id, "output": "sunny"}]})
+    assert follow.to_chat(store.get("resp_1").conversation).template_messages()[-3:] == [
+        {"role": "user", "content": "Weather in Paris?"}, dict(assistant),
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+

@@ -490,6 +490,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'["not", "an", "object"]', 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),  # the server schedules fcfs
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),  # no store
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),

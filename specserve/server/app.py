@@ -32,12 +32,13 @@ from .responses import (
     Health,
     ModelCard,
     ModelList,
+    ResponseDeleted,
     ResponseObject,
     ResponseStreamEvent,
     TokenizeResponse,
     Version,
 )
-from .responses_api import create_response, not_stored
+from .responses_api import create_response, stored_response
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 
@@ -193,9 +194,15 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         """OpenAI's Responses API (server/responses_api.py); nothing is stored."""
         return await create_response(request, state)
 
-    @app.get("/v1/responses/{response_id}", responses=_errors(401, 404))
-    async def stored_response(response_id: str) -> Response:
-        raise not_stored(response_id)
+    @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_errors(401, 404))
+    async def get_response(response_id: str) -> JSONResponse:
+        return JSONResponse(stored_response(state, response_id).body)
+
+    @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_errors(401, 404))
+    async def delete_response(response_id: str) -> JSONResponse:
+        stored_response(state, response_id)
+        state.responses.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     if state.options.allow_runtime_lora_updating:
         add_lora_routes(app, state)

@@ -39,6 +39,10 @@ class ServerOptions:
                                               "with a warning naming them, as vLLM does)")
     allowed_origins: Optional[str] = _opt(None, "comma-separated origins whose web pages may call the API (CORS; "
                                                 "'*' for any); none by default")
+    responses_store_size: int = _opt(0, "keep the latest N /v1/responses responses in memory, for "
+                                        "previous_response_id and GET / DELETE /v1/responses/{id} (vLLM's "
+                                        "VLLM_ENABLE_RESPONSES_API_STORE); 0: none, every request sends its whole "
+                                        "conversation")
     allow_runtime_lora_updating: bool = _opt(False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                                                     "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients may then load "
                                                     "adapters from this machine's disk")
@@ -54,6 +58,8 @@ class ServerOptions:
             raise ConfigError(f"option max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"option shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"option responses_store_size must be >= 0, got {self.responses_store_size}")
         if self.max_body_bytes < 1:
             raise ConfigError(f"option max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key == "":

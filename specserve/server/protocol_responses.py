@@ -5,8 +5,10 @@ or input_text / output_text parts), `function_call` and `function_call_output` i
 result, as a client sends them back), and `reasoning` items (their text becomes the next assistant message's
 reasoning_content). `instructions` becomes a system message first; the "developer" role is "system". Only
 function tools are served; `text.format` is the structured output (text, json_object, json_schema), and the
-sampling fields are chat's, vLLM's extras included. The server stores no responses, so `previous_response_id`,
-item references and background responses are refused with a 400 that says so, and `store` is answered false.
+sampling fields are chat's, vLLM's extras included. `previous_response_id` continues a stored response's
+conversation (the server keeps the latest --responses-store-size responses; none by default, as vLLM, and then it
+is refused with a 400 that says so); its instructions are not carried over, as in OpenAI's API. Item references
+and background responses are refused.
 `reasoning` (effort, summary) and `include` values other than "message.output_text.logprobs" are accepted and
 have no effect (the model reasons as its chat template has it).
 """
@@ -119,7 +121,8 @@ class ItemReference(_Strict):
 
     @model_validator(mode="after")
     def _refuse(self):
-        raise ValueError("item references are not supported: this server stores no responses; send the items")
+        raise ValueError("item references are not supported: send the items (or continue a stored response with "
+                     "previous_response_id)")
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")
@@ -197,9 +200,6 @@ class ReasoningConfig(_Strict):
     generate_summary: Optional[str] = None
 
 
-NOT_STORED = "this server stores no responses: send the whole conversation as input"
-
-
 class ResponsesRequest(SamplingFields):
     # the tags of the unions of items and parts, left out of the paths errors name
     union_tags: ClassVar[tuple[str, ...]] = ITEM_TYPES + ("text_part", "refusal_part", "unsupported_part")
@@ -220,8 +220,9 @@ class ResponsesRequest(SamplingFields):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     truncation: Optional[Literal["disabled"]] = Field(None, description="'auto' (dropping context) is not supported")
-    background: Optional[Literal[False]] = Field(None, description="true is not supported: responses are not stored")
-    previous_response_id: None = Field(None, description=f"not supported: {NOT_STORED}")
+    background: Optional[Literal[False]] = Field(None, description="true is not supported")
+    previous_response_id: Optional[Annotated[str, Field(min_length=1)]] = Field(
+        None, description="continue a stored response's conversation (with --responses-store-size)")
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
@@ -234,18 +235,11 @@ class ResponsesRequest(SamplingFields):
             raise ValueError("the input is empty")
         return [{"role": "user", "content": v}] if isinstance(v, str) else v
 
-    @field_validator("previous_response_id", mode="before")
-    @classmethod
-    def _not_stored(cls, v):
-        if v is not None:
-            raise ValueError(NOT_STORED)
-        return v
-
     @field_validator("background", mode="before")
     @classmethod
     def _no_background(cls, v):
         if v:
-            raise ValueError("background responses are not supported: this server stores no responses")
+            raise ValueError("background responses are not supported: the server answers while the client waits")
         return v
 
     @field_validator("truncation", mode="before")
@@ -259,10 +253,10 @@ class ResponsesRequest(SamplingFields):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """The conversation as chat messages: instructions first, function calls on the assistant message
-        before them (or one of their own), their outputs as tool messages."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def conversation(self, previous: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The input after `previous` (a stored conversation's messages) as chat messages: function calls on the
+        assistant message before them (or one of their own), their outputs as tool messages."""
+        messages = [dict(m) for m in previous]
         reasoning = None
         for item in self.input:
             if isinstance(item, ReasoningItem):
@@ -281,14 +275,21 @@ class ResponsesRequest(SamplingFields):
                 messages[-1]["reasoning_content"], reasoning = reasoning, None
         return messages
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat request this one asks for (the same sampling, tools, constraint and stream)."""
+    def chat_messages(self, previous: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """The instructions as a system message, then the conversation."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return system + self.conversation(previous)
+
+    def to_chat(self, previous: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat request this one asks for (the same sampling, tools, constraint and stream), after the
+        messages of `previous` (a stored conversation)."""
         fields = self.model_dump(include=set(SamplingFields.model_fields), exclude_none=True)
         tool_choice = self.tool_choice
         if isinstance(tool_choice, FunctionChoice):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         fields.update(
-            model=self.model, stream=self.stream, messages=self.chat_messages(), max_tokens=self.max_output_tokens,
+            model=self.model, stream=self.stream, messages=self.chat_messages(previous),
+            max_tokens=self.max_output_tokens,
             tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls,
             chat_template_kwargs=self.chat_template_kwargs,
             tools=[{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}

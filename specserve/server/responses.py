@@ -280,9 +280,9 @@ class ResponseObject(_Response):
     model: str
     output: list[OutputItem]
     parallel_tool_calls: bool
-    previous_response_id: None
+    previous_response_id: Optional[str]
     reasoning: dict[str, Optional[str]]
-    store: Literal[False] = Field(description="nothing is stored")
+    store: bool = Field(description="whether the server keeps it (--responses-store-size, and the request's store)")
     temperature: float
     text: dict[str, dict[str, Any]]
     tool_choice: Union[Literal["auto", "none", "required"], dict[str, str]]
@@ -292,6 +292,12 @@ class ResponseObject(_Response):
     truncation: Literal["disabled"]
     usage: Optional[ResponseUsage] = Field(description="null until the response ends")
     user: Optional[str]
+
+
+class ResponseDeleted(_Response):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
 
 
 class ResponseStreamEvent(_Response):

@@ -10,7 +10,8 @@ response.created / in_progress, then per item output_item.added, content_part.ad
 or argument deltas, their .done events and output_item.done, and last response.completed (or
 response.incomplete; response.failed when the server aborts the request or the engine fails, after an
 error event). The message stays open while tool calls follow it, so the items keep the order a non-streamed
-response gives. Nothing is stored (GET /v1/responses/{id} answers 404).
+response gives. With --responses-store-size finished responses are kept (unless the request says `store`
+false) for `previous_response_id` and GET / DELETE /v1/responses/{id}; without it nothing is.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ from pydantic import ValidationError
 from ..engine.engine import RequestOutput
 from ..sampling_params import SamplingParams
 from .chat import ChatFormatter, submission
-from .errors import APIError, from_validation_error
+from .errors import APIError, bad_request, from_validation_error
 from .formatting import Envelope, new_logprobs
 from .generation import as_api_error, parse_request, respond
 from .parsers import THINK_CLOSE, ChatDelta
 from .protocol_responses import ResponsesRequest
+from .response_store import ResponseStore, StoredResponse
 from .state import ServerState
 from .streams import OutputStream
 
@@ -54,9 +56,13 @@ class ResponseFormatter(ChatFormatter):
 
     object = "response"
 
-    def __init__(self, *args, req: ResponsesRequest, params: SamplingParams, tokenizer, **kwargs):
+    def __init__(self, *args, req: ResponsesRequest, params: SamplingParams, tokenizer,
+                 store: Optional[ResponseStore] = None, conversation: list[dict] = (), **kwargs):
+        """store: where the finished response goes (None: nowhere), with `conversation`, the chat messages
+        before its output (its instructions left out)."""
         super().__init__(*args, **kwargs)
         self.req, self.params, self.tokenizer = req, params, tokenizer
+        self.store, self.conversation = store, list(conversation)
         self.items: list[dict] = []  # the output items so far, in the order they began
         self.open: Optional[int] = None  # the reasoning or function call item being written
         self.message: Optional[int] = None  # the message item, open until the end
@@ -84,7 +90,7 @@ class ResponseFormatter(ChatFormatter):
     def response(self, out: RequestOutput) -> dict:
         entries = self._logprob_entries(list(zip(out.token_ids, out.logprobs))) if self.logprobs else []
         self._consume(out.text, entries, out)
-        return self._body(self._status(out), out)
+        return self._final_body(self._status(out), out)
 
     # ---- the items ------------------------------------------------------------------------------
     def _consume(self, text: str, entries: list[dict], out: RequestOutput) -> list[dict]:
@@ -181,13 +187,34 @@ class ResponseFormatter(ChatFormatter):
         events += self._close_open(item_status)
         if self.message is not None:
             events += self._close(self.message, item_status)
-        return events + [{"type": f"response.{status}", "response": self._body(status, out)}]
+        return events + [{"type": f"response.{status}", "response": self._final_body(status, out)}]
 
     @staticmethod
     def _status(out: RequestOutput) -> str:
         return "incomplete" if out.finish_reason == "length" else "completed"
 
     # ---- the response object --------------------------------------------------------------------
+    def _final_body(self, status: str, out: RequestOutput) -> dict:
+        """The finished response, stored when it is to be."""
+        body = self._body(status, out)
+        if self.store is not None:
+            self.store.put(StoredResponse(body, self.conversation + [self._as_chat_message()]))
+        return body
+
+    def _as_chat_message(self) -> dict:
+        """The output as the assistant's chat message, for the conversation a later response continues."""
+        message = {"role": "assistant", "content": ""}
+        for item in self.items:
+            if item["type"] == "message":
+                message["content"] = item["content"][0]["text"]
+            elif item["type"] == "reasoning":
+                message["reasoning_content"] = item["content"][0]["text"]
+            else:
+                message.setdefault("tool_calls", []).append(
+                    {"id": item["call_id"], "type": "function",
+                     "function": {"name": item["name"], "arguments": item["arguments"]}})
+        return message
+
     def _body(self, status: str, out: Optional[RequestOutput], error: Optional[dict] = None) -> dict:
         req, env = self.req, self.envelope
         fmt = req.text.format if req.text and req.text.format else None
@@ -198,9 +225,10 @@ class ResponseFormatter(ChatFormatter):
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "model": env.model,
             "output": copy.deepcopy(self.items) if out is not None else [],
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning.model_dump() if req.reasoning else {"effort": None, "summary": None},
-            "store": False, "temperature": self.params.temperature,
+            "store": self.store is not None, "temperature": self.params.temperature,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
@@ -256,10 +284,25 @@ def _in_responses_terms(error: APIError) -> APIError:
     return APIError(error.status, message, error.type, param, error.code)
 
 
+def _previous(state: ServerState, req: ResponsesRequest) -> list[dict]:
+    """The conversation a request continues (`previous_response_id`), or none."""
+    if req.previous_response_id is None:
+        return []
+    if not state.responses.enabled:
+        raise bad_request("this server stores no responses (start it with --responses-store-size N): send the "
+                          "whole conversation as input", "previous_response_id")
+    stored = state.responses.get(req.previous_response_id)
+    if stored is None:
+        raise APIError(404, f"previous response {req.previous_response_id!r} not found (the server keeps the latest "
+                            f"{state.responses.size})", "not_found_error", "previous_response_id")
+    return stored.conversation
+
+
 async def create_response(request: Request, state: ServerState) -> Response:
     engine, req = await parse_request(request, state, ResponsesRequest)
+    previous = _previous(state, req)
     try:
-        chat = req.to_chat()
+        chat = req.to_chat(previous)
         sub = await submission(engine, state, chat)
     except ValidationError as e:
         raise _in_responses_terms(from_validation_error(e)) from None
@@ -268,13 +311,18 @@ async def create_response(request: Request, state: ServerState) -> Response:
     envelope = Envelope(_new_id("resp"), state.model_name)
     fmt = ResponseFormatter(envelope, state.token_text, chat.logprobs, reasoning_parser=state.options.reasoning_parser,
                             tools=sub.tool_parser, guided=sub.params.guided, frame=sub.frame,
-                            schemas=chat.template_tools(), req=req, params=sub.params, tokenizer=engine.tokenizer)
+                            schemas=chat.template_tools(), req=req, params=sub.params, tokenizer=engine.tokenizer,
+                            store=state.responses if state.responses.enabled and req.store is not False else None,
+                            conversation=req.conversation(previous))
     return await respond(request, state, chat, [(sub.prompt_ids, sub.params)], [fmt],
                          body=lambda formatters, outs, _: formatters[0].response(outs[0]), events=response_events,
                          options=state.request_options(req))
 
 
-def not_stored(response_id: str) -> APIError:
-    """GET /v1/responses/{id}: nothing is stored."""
-    return APIError(404, f"no response {response_id!r}: this server stores no responses", "not_found_error",
-                    "response_id")
+def stored_response(state: ServerState, response_id: str) -> StoredResponse:
+    """GET / DELETE /v1/responses/{id}: the stored response, or a 404."""
+    stored = state.responses.get(response_id)
+    if stored is None:
+        kept = f"keeps the latest {state.responses.size}" if state.responses.enabled else "stores no responses"
+        raise APIError(404, f"no response {response_id!r} (this server {kept})", "not_found_error", "response_id")
+    return stored

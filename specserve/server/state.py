@@ -13,6 +13,7 @@ from .errors import APIError, bad_request, server_error, unavailable
 from .formatting import TokenText
 from .metrics import ServerMetrics
 from .options import ServerOptions
+from .response_store import ResponseStore
 from .streams import RequestRegistry
 
 
@@ -40,6 +41,7 @@ class ServerState:
         self.token_text: Optional[TokenText] = None
         self.startup_error: Optional[BaseException] = None
         self.metrics = ServerMetrics(model_name, lambda: self.engine)
+        self.responses = ResponseStore(options.responses_store_size)
 
     def attach(self, engine: AsyncEngine) -> None:
         """Take the loaded engine (the server starts serving once it is warmed: `phase`)."""
