@@ -18,6 +18,7 @@ import time
 from specserve.assets import SHIPPED_TARGET
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
+from specserve.engine.sequence import RequestOptions
 from specserve.models.lora import random_adapter
 from specserve.sampling_params import SamplingParams
 
@@ -29,7 +30,8 @@ def step_seconds(engine: LLMEngine, batch: int, steps: int, lora) -> float:
     """Wall seconds per step of `batch` requests decoding steadily (request i on adapter lora(i))."""
     for i in range(batch):
         engine.add_request([5 + i % 50, 6, 7, 8, 9, 10, 11, 12] * 8,
-                           SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True), lora=lora(i))
+                           SamplingParams(temperature=0, max_tokens=steps + 20, ignore_eos=True),
+                           options=RequestOptions(lora=lora(i)))
     for _ in range(10):  # prompts, then a few decode steps
         engine.step()
     start = time.perf_counter()

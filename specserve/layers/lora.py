@@ -26,7 +26,8 @@ class LoRAWeights:
 
 @dataclass
 class LoRABatch:
-    """The rows of a step that use each adapter: (slot, row indices [n] on the device, or None for every row)."""
+    """The rows of a step that use each adapter: (slot, a mask [num_tokens, 1], true on its rows; None: every
+    row)."""
 
     groups: list[tuple[int, Optional[torch.Tensor]]]
 
@@ -51,16 +52,17 @@ def active() -> bool:
 
 
 def add_lora(loras: dict[int, LoRAWeights], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y [n, out] (x [n, in] through the layer's weight) plus, on each adapter's rows, its delta."""
+    """y [n, out] (x [n, in] through the layer's weight) plus, on each adapter's rows, its delta. Every row goes
+    through each adapter of the step and a mask keeps its own (the rank-r middle is what is masked): a gather
+    and a scatter of the rows cost more than the products they save at decode sizes (session 44)."""
     if _active is None or not loras:
         return y
-    for slot, rows in _active.groups:
+    for slot, mask in _active.groups:
         w = loras.get(slot)
         if w is None:
             continue
-        xs = x if rows is None else x.index_select(0, rows)
-        delta = (xs @ w.a.T) @ w.b.T  # [rows, out]
-        y = y + delta if rows is None else y.index_add(0, rows, delta)
+        h = x @ w.a.T  # [n, rank]
+        y = y + (h if mask is None else torch.where(mask, h, 0)) @ w.b.T  # (a where: no NaN from other rows)
     return y
 
 
@@ -71,10 +73,6 @@ def batch_of(slots: list[int], q_lens: list[int], device: torch.device) -> Optio
         return None
     if len(set(slots)) == 1:
         return LoRABatch([(slots[0], None)])
-    rows: dict[int, list[int]] = {}
-    start = 0
-    for slot, q in zip(slots, q_lens):
-        if slot:
-            rows.setdefault(slot, []).extend(range(start, start + q))
-        start += q
-    return LoRABatch([(slot, torch.tensor(r, dtype=torch.long, device=device)) for slot, r in rows.items()])
+    per_token = torch.tensor(slots).repeat_interleave(torch.tensor(q_lens))  # [num_tokens]
+    groups = [(slot, (per_token == slot).unsqueeze(1).to(device)) for slot in sorted(set(slots) - {0})]
+    return LoRABatch(groups)
