@@ -633,13 +633,16 @@ ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "
 LLAMA3_CALL = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": ADD},
                "required": ["name", "parameters"]}
 QWEN3_CODER_CALL = "<tool_call>\n<function=add>\n<parameter=a>\n[0-9]\n</parameter>\n</function>\n</tool_call>"
+PYTHONIC_CALL = r"\[add\(a=[0-9]\)\]"
 
 
 @pytest.mark.parametrize("parser, constraint", [("llama3_json", {"guided_json": LLAMA3_CALL}),
-                                                ("qwen3_coder", {"guided_regex": QWEN3_CODER_CALL})])
+                                                ("qwen3_coder", {"guided_regex": QWEN3_CODER_CALL}),
+                                                ("pythonic", {"guided_regex": PYTHONIC_CALL})])
 def test_tool_calls_of_other_formats(tmp_path, model, parser, constraint):
-    """--tool-call-parser llama3_json / qwen3_coder: an output in Llama 3.1's call JSON or Qwen3-Coder's XML
-    (made so here by a constraint, as a random model writes neither) comes back as tool_calls, streamed or not,
+    """--tool-call-parser llama3_json / qwen3_coder / pythonic: an output in Llama 3.1's call JSON, Qwen3-Coder's
+    XML or Llama 3.2's Python list (made so here by a constraint, as a random model writes none) comes back as
+    tool_calls, streamed or not,
     the argument an integer as the tool's schema says."""
     pytest.importorskip("xgrammar")
     tools = [{"type": "function", "function": {"name": "add", "parameters": ADD}}]

@@ -202,3 +202,36 @@ def test_qwen3_coder_streams_the_name_then_a_parameter_at_a_time():
     pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
     assert pieces[0].to_openai()["function"] == {"name": "edit", "arguments": ""}
     assert [p.arguments for p in pieces[1:]] == ['{"path": "a.py"', ', "line": 3', "}"]
+
+
+# ---- pythonic (Llama 3.2 / Llama 4) --------------------------------------------------------------
+@pytest.mark.parametrize("text, content, calls", [
+    # one call, keyword arguments of every literal kind; strings holding the list's own punctuation
+    ("[get_weather(city='San Francisco', unit=\"celsius\")]", "",
+     [("get_weather", {"city": "San Francisco", "unit": "celsius"})]),
+    ("[f(a=1, b=2.5, c=True, d=None, e=[1, (2, 3)], g={'k': 'v, ) ]'}, h='it\\'s')]", "",
+     [("f", {"a": 1, "b": 2.5, "c": True, "d": None, "e": [1, [2, 3]], "g": {"k": "v, ) ]"}, "h": "it's"})]),
+    # several calls, no arguments, Llama 4's tags, whitespace around
+    ("  <|python_start|>[a(), b.c(x=1)]<|python_end|>", "", [("a", {}), ("b.c", {"x": 1})]),
+    ("[a(), b(y='z')]\nDone.", "Done.", [("a", {}), ("b", {"y": "z"})]),
+    # not calls: text, a list of values, text that mentions a call later
+    ("The answer is [f(x)].", "The answer is [f(x)].", []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ("<|py", "<|py", []),
+    # a value that is no literal comes as its text, a positional argument as argN; a cut-off call still reports
+    ("[f(x=some_name, 3)]", "", [("f", {"x": "some_name", "arg1": 3})]),
+    ("[f(a=1, b='tw", "", [("f", {"a": 1, "b": "'tw"})]),
+])
+def test_pythonic_calls(text, content, calls):
+    message = same_in_every_chunking(text, tools="pythonic")
+    assert message.content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in message.tool_calls] == calls
+
+
+def test_pythonic_streams_the_name_then_an_argument_at_a_time():
+    text = "[get_weather(city='Paris', days=3)]"
+    _, deltas = parse_streamed([text[i:i + 4] for i in range(0, len(text), 4)], tools="pythonic")
+    pieces = list(itertools.chain.from_iterable(d.tool_calls for d in deltas))
+    assert pieces[0].to_openai()["function"] == {"name": "get_weather", "arguments": ""}
+    assert [p.arguments for p in pieces[1:]] == ['{"city": "Paris"', ', "days": 3', "}"]

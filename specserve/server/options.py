@@ -9,7 +9,7 @@ from typing import Optional
 from ..config import ConfigError
 
 # the parsers (server/tool_parsers.py), and SGLang's names for two of them
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "qwen25", "llama3")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "pythonic", "qwen25", "llama3")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 

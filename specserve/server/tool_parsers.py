@@ -1,9 +1,10 @@
-"""Tool-call parsers for chat output as it streams (hermes, llama3_json, qwen3_coder), and the tag finder the
+"""Tool-call parsers for chat output as it streams (hermes, llama3_json, qwen3_coder, pythonic), and the tag finder the
 parsers share. Each takes text in arbitrary pieces (`feed`) and returns what each piece adds (content, and
 tool-call deltas: a call's id and name first, then its arguments' JSON text as it grows); `finish` flushes
 what was held back. Text that might be the start of a tag is held back until the next piece decides."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -410,5 +411,152 @@ def _typed(raw: str, kind: Optional[str]):
         return text
 
 
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+@dataclass
+class _PyCall:
+    """One call of a pythonic list as it arrives: its name, then its arguments' text up to the closing paren."""
+
+    text: str = ""  # the name, then (after "(") the argument being read
+    name: Optional[str] = None
+    index: Optional[int] = None
+    args: int = 0  # arguments reported
+    depth: list = field(default_factory=list)  # brackets open inside the argument
+    quote: Optional[str] = None  # the string literal being read
+    escaped: bool = False
+
+
+class PythonicToolParser(_ToolParser):
+    """Llama 3.2 / Llama 4's pythonic tool calls (vLLM's and SGLang's `pythonic`): an output that opens, after
+    whitespace and an optional <|python_start|>, with "[" is a Python list of calls `[f(a=1, b="x"), g()]` whose
+    keyword arguments are Python literals; any other output is content. A call is reported once its name and "("
+    have arrived, then its arguments as JSON, one at a time as each value completes (a value that is no literal
+    comes as its text; a positional argument as "argN"). What follows the list (<|python_end|> dropped) is
+    content, and so is a list that holds no call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state = "opening"  # -> "list" -> "after", or "content"
+        self.pending = ""  # the opening, held until it decides; then the list's text until its first call
+
+    def feed(self, text: str) -> ToolDelta:
+        delta = ToolDelta()
+        if self.state == "opening":
+            self.pending += text
+            head = self.pending.lstrip()
+            head = head[len(PYTHON_START):].lstrip() if head.startswith(PYTHON_START) else head
+            if not head or PYTHON_START.startswith(head):  # too short to tell
+                return delta
+            if not head.startswith("["):
+                self.state, text, self.pending = "content", self.pending, ""
+            else:
+                self.state, text, self.pending = "list", head[1:], "["
+        for i, c in enumerate(text):
+            if self.state in ("content", "after"):
+                delta.content += self._after(text[i:])
+                break
+            self._scan(c, delta)
+        return delta
+
+    def _after(self, text: str) -> str:
+        """Text after the list: content, less <|python_end|> (or the start of one) and whitespace before it."""
+        if self.state == "after":
+            self.pending += text
+            head = self.pending.lstrip()
+            if PYTHON_END.startswith(head):
+                return ""
+            self.state, text = "content", head[len(PYTHON_END):].lstrip() if head.startswith(PYTHON_END) else head
+            self.pending = ""
+        return text
+
+    def _scan(self, c: str, delta: ToolDelta) -> None:
+        call = self.block
+        if call is None:  # between calls
+            if c.isspace() or (c == "," and self.num_calls):
+                self.pending += c
+            elif c == "]" and self.num_calls:
+                self.state, self.pending = "after", ""
+            elif c.isalpha() or c == "_":
+                self.block = _PyCall(c)
+                self.pending += c
+            else:  # not a list of calls: what came of it is content
+                self.state, pending, self.pending = "content", self.pending + c, ""
+                delta.content += pending if not self.num_calls else pending.lstrip(", \n")
+            return
+        if call.name is None:
+            self.pending += c
+            if c == "(":
+                call.name, call.text, call.index = call.text.strip(), "", self.num_calls
+                self.num_calls += 1
+                delta.tool_calls.append(ToolCallDelta(call.index, self.new_id(), call.name))
+            elif c.isalnum() or c in "_.":
+                call.text += c
+            else:  # no call after all: content (from the list's start when it is the first)
+                delta.content += self.pending if not self.num_calls else call.text + c
+                self.block, self.state, self.pending = None, "content", ""
+            return
+        self._argument_char(c, delta)
+
+    def _argument_char(self, c: str, delta: ToolDelta) -> None:
+        call = self.block
+        if call.quote is not None:
+            call.text += c
+            if call.escaped:
+                call.escaped = False
+            elif c == "\\":
+                call.escaped = True
+            elif c == call.quote:
+                call.quote = None
+        elif c in "'\"":
+            call.quote, call.text = c, call.text + c
+        elif c in CLOSERS:
+            call.depth.append(CLOSERS[c])
+            call.text += c
+        elif call.depth and c == call.depth[-1]:
+            call.depth.pop()
+            call.text += c
+        elif not call.depth and c in ",)":
+            self._argument(delta)
+            if c == ")":
+                delta.tool_calls.append(ToolCallDelta(call.index, arguments="}" if call.args else "{}"))
+                self.block, self.pending = None, ""
+        else:
+            call.text += c
+
+    def _argument(self, delta: ToolDelta) -> None:
+        """The argument read so far, as JSON after those before it (nothing for an empty one)."""
+        call = self.block
+        text, call.text = call.text.strip(), ""
+        if not text:
+            return
+        key, sep, value = text.partition("=")
+        if not sep or not key.strip().isidentifier():
+            key, value = f"arg{call.args}", text
+        try:
+            parsed = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            parsed = value.strip()
+        item = json.dumps({key.strip(): parsed}, ensure_ascii=False)[1:-1]
+        delta.tool_calls.append(ToolCallDelta(call.index, arguments=("{" if not call.args else ", ") + item))
+        call.args += 1
+
+    def finish(self) -> ToolDelta:
+        delta = ToolDelta()
+        if self.state == "opening":
+            delta.content, self.pending = self.pending, ""
+        elif self.block is not None and self.block.name is not None:  # cut off inside a call: what arrived
+            self._argument(delta)
+            call, self.block = self.block, None
+            delta.tool_calls.append(ToolCallDelta(call.index, arguments="}" if call.args else "{}"))
+        elif self.state == "list" and not self.num_calls:  # "[" and no call: content
+            delta.content += self.pending
+        elif self.state == "after" and not PYTHON_END.startswith(self.pending.strip()):
+            delta.content += self.pending.strip()
+        return delta
+
+
 TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "qwen3_coder": Qwen3CoderToolParser,
+                "pythonic": PythonicToolParser,
                 "qwen25": HermesToolParser, "llama3": Llama3JsonToolParser}  # the last two: SGLang's names
