@@ -39,7 +39,7 @@ TEMPLATE = (
 def server(tmp_path_factory, model):  # noqa: F811
     yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model, "--tool-call-parser",
                        "hermes", "--reasoning-parser", "qwen3", "--chat-template", TEMPLATE, "--responses-store-size",
-                       "4", api_key=API_KEY)
+                       "4", "--enable-prompt-tokens-details", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,20 @@ def test_cached_input_tokens_are_the_prefix_cache_hits_within_a_cache_salt(serve
               for salt in ("user-1", "user-2", "user-1")]  # vLLM's cache_salt: KV shared within a salt only
     assert [r.usage.input_tokens_details.cached_tokens for r in salted] == [0, 0, second.usage.input_tokens_details
                                                                                   .cached_tokens]
+
+
+def test_chat_usage_details_count_each_prompt_once(client):
+    """--enable-prompt-tokens-details (vLLM's flag, on this module's server): chat's usage names the prompt tokens
+    found in the prefix cache, a prompt's first choice's, streamed or not."""
+    messages = [{"role": "user", "content": " ".join(f"word {i}" for i in range(100))}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=2, n=2)
+    first, second = (client.chat.completions.create(**kw) for _ in range(2))
+    block = 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # its second choice's hit is not counted again
+    want = (second.usage.prompt_tokens - 1) // block * block
+    assert second.usage.prompt_tokens_details.cached_tokens == want > 0
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want
 
 
 def test_run_time_lora_routes_need_their_flag(server):  # noqa: F811

@@ -24,9 +24,13 @@ def json_logprob(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: Optional[int] = None) -> dict:
+    """OpenAI's usage; with num_cached_tokens, its `prompt_tokens_details` too."""
+    out = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+           "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
 
 
 def new_logprobs(out: RequestOutput) -> list[tuple[int, TokenLogprob]]:

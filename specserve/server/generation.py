@@ -145,13 +145,18 @@ async def respond(request: Request, state: ServerState, req: SamplingRequest,
             for stream in streams:
                 stream.close()
 
-        body_events = (events or _events)(streams, formatters, req, num_prompt_tokens)
+        details = state.options.enable_prompt_tokens_details
+        body_events = events(streams, formatters, req, num_prompt_tokens) if events else \
+            _events(streams, formatters, req, num_prompt_tokens, details)
         return StreamingResponse(body_events, media_type="text/event-stream",
                                  headers=SSE_HEADERS, background=BackgroundTask(close))
     outs = await _finished_or_disconnected(request, streams)
     if outs is None:
         return Response(status_code=499)  # nobody is listening
-    return JSONResponse(body(formatters, outs, num_prompt_tokens))
+    answer = body(formatters, outs, num_prompt_tokens)
+    if state.options.enable_prompt_tokens_details and isinstance(answer, dict) and "usage" in answer:
+        answer["usage"]["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outs[::n])}
+    return JSONResponse(answer)
 
 
 async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union[RequestOutput, Exception]]]:
@@ -182,16 +187,20 @@ async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, Union
 
 
 async def _events(streams: list[OutputStream], formatters: list[Formatter], req: SamplingRequest,
-                  num_prompt_tokens: int) -> AsyncIterator[str]:
+                  num_prompt_tokens: int, details: bool = False) -> AsyncIterator[str]:
     """The SSE body. It always ends with [DONE]: a request the server aborts ends its choice with
     finish_reason "abort"; an engine failure sends an error event. With continuous usage stats every
-    chunk carries the usage so far (of all choices); with include_usage a last chunk carries the total.
-    Closing it (the client went away) aborts the requests."""
-    num_tokens = [0] * len(streams)
+    chunk carries the usage so far (of all choices); with include_usage a last chunk carries the total
+    (details: with the cached prompt tokens, each prompt's counted once). Closing it (the client went away)
+    aborts the requests."""
+    num_tokens, cached = [0] * len(streams), [0] * len(streams)
+
+    def so_far() -> dict:
+        return usage(num_prompt_tokens, sum(num_tokens), sum(cached[::req.num_choices]) if details else None)
 
     def event(chunk: dict) -> str:
         if req.continuous_usage:
-            chunk["usage"] = usage(num_prompt_tokens, sum(num_tokens))
+            chunk["usage"] = so_far()
         return sse(chunk)
 
     try:
@@ -206,12 +215,12 @@ async def _events(streams: list[OutputStream], formatters: list[Formatter], req:
                     yield sse(as_api_error(item).body())
                     break
                 else:
-                    num_tokens[index] = formatters[index].count(item)
+                    num_tokens[index], cached[index] = formatters[index].count(item), item.num_cached_tokens
                     chunk = formatters[index].chunk(item)
                     if chunk is not None:
                         yield event(chunk)
         if req.include_usage:
-            yield sse(formatters[0].usage_chunk(usage(num_prompt_tokens, sum(num_tokens))))
+            yield sse(formatters[0].usage_chunk(so_far()))
         yield SSE_DONE
     finally:
         for stream in streams:

@@ -39,6 +39,8 @@ class ServerOptions:
                                               "with a warning naming them, as vLLM does)")
     allowed_origins: Optional[str] = _opt(None, "comma-separated origins whose web pages may call the API (CORS; "
                                                 "'*' for any); none by default")
+    enable_prompt_tokens_details: bool = _opt(False, "usage carries prompt_tokens_details.cached_tokens, the prompt "
+                                                     "tokens found in the prefix cache (vLLM's flag)")
     responses_store_size: int = _opt(0, "keep the latest N /v1/responses responses in memory, for "
                                         "previous_response_id and GET / DELETE /v1/responses/{id} (vLLM's "
                                         "VLLM_ENABLE_RESPONSES_API_STORE); 0: none, every request sends its whole "

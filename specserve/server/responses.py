@@ -16,10 +16,16 @@ def _sometimes(description: str):
     return Field(None, description=description, json_schema_extra=lambda schema: schema.pop("default", None))
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = _sometimes("with --enable-prompt-tokens-details: the prompt tokens "
+                                                            "found in the prefix cache")
 
 
 class CompletionLogprobs(_Response):
