@@ -211,6 +211,11 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
                                                temperature=0, extra_body={"ignore_eos": True})
             assert r.choices[0].message.content == want.text
         assert len(outputs) == 3  # the adapters change the output
+        with client.completions.create(model="b", prompt=prompt, max_tokens=500, stream=True,
+                                       extra_body={"ignore_eos": True}) as stream:
+            next(iter(stream))  # running now: /metrics names its adapter (vLLM's lora_requests_info)
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+        assert 'max_lora="2",running_lora_adapters="b",waiting_lora_adapters=""' in text, text
         [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora="a")
         r = httpx.post(srv.url + "/generate", json={"text": prompt, "lora_path": "a", "sampling_params": {
             "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60)

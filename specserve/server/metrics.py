@@ -44,8 +44,20 @@ class EngineCollector:
         for position, count in enumerate(list(core.stats.spec.accepted_per_position)):
             per_pos.add_metric([*self.labels.values(), str(position)], count)
         yield per_pos
+        yield self._lora(core)
         if core.spec is not None:
             yield from self._controller(core.spec.controller.explain())
+
+    def _lora(self, core) -> Metric:
+        """vLLM's lora_requests_info: the adapters of the running and the waiting requests as labels
+        (comma-separated), the adapters loaded; its value the time of the scrape."""
+        names = {slot: name for name, slot in dict(core.loras).items()}
+        info = GaugeMetricFamily("specserve:lora_requests_info", "LoRA adapters of the running and waiting "
+                                 "requests", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        running, waiting = ({names[s.lora] for s in list(queue) if s.lora in names}
+                            for queue in (core.scheduler.running, core.scheduler.waiting))
+        info.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(len(names))], time.time())
+        return info
 
     def _controller(self, explained: dict) -> Iterator[Metric]:
         """The speculation controller's choice per batch bucket (see Controller.explain)."""
