@@ -84,6 +84,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine.engine import LLMEngine
+    from .engine.sequence import RequestOptions
     from .sampling_params import SamplingParams
 
     config = EngineConfig.from_options(**engine_options(args))
@@ -98,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                       add_generation_prompt=True)
-    engine.add_request(prompt, params, "cli")
+    engine.add_request(prompt, params, "cli", RequestOptions(lora=args.lora))
     out = None
     while engine.has_unfinished():
         for out in engine.step():
@@ -276,6 +277,7 @@ def build_parser() -> Parser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--lora", help="run the prompt with this LoRA adapter (a name given in --lora-modules)")
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)

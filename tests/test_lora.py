@@ -280,3 +280,20 @@ def test_adapters_load_and_unload_at_run_time(pairs, tmp_path):
     assert not engine.loras and all(not getattr(m, "loras", None) for m in engine.runner.model.modules())
     assert_pool_full(llm)
 
+
+
+def test_generate_command_runs_an_adapter(tmp_path, capsys):
+    """`specserve generate --lora-modules a=FOLDER --lora a`: the offline engine's text with that adapter."""
+    from specserve.assets import make_tiny_checkpoint
+    from specserve.cli import main
+
+    base = str(tmp_path / "tiny")
+    make_tiny_checkpoint(base)
+    folder = make_adapter(str(tmp_path / "a"), base, ATTN + MLP, 8, seed=3)
+    prompt = "def fibonacci(n):"
+    [want] = make_llm(base, lora_modules=f"a={folder}", speculative_algorithm="none").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), lora="a")
+    capsys.readouterr()
+    assert main(["generate", "--model", base, "--lora-modules", f"a={folder}", "--lora", "a", "--prompt", prompt,
+                 "--max-tokens", "12", "--ignore-eos", "--speculative-algorithm", "none", "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"
