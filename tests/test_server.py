@@ -659,6 +659,17 @@ def test_tool_calls_of_other_formats(tmp_path, model, parser, constraint):
         chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw) if c.choices]
         args = "".join(t.function.arguments or "" for c in chunks for t in c.delta.tool_calls or [])
         assert args == tool_call.function.arguments and chunks[-1].finish_reason == "tool_calls"
+        if parser == "llama3_json":  # a forced call is framed in the server's parser's format: Llama 3.1's JSON
+            forced = dict(kw, tool_choice={"type": "function", "function": {"name": "add"}}, extra_body={})
+            r = client.chat.completions.create(**forced)
+            [tool_call] = r.choices[0].message.tool_calls
+            assert tool_call.function.name == "add" and json.loads(tool_call.function.arguments)["a"] in range(10)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(model)
+            text = tok.apply_chat_template(kw["messages"], tools=tools, add_generation_prompt=True, tokenize=False)
+            framed = text + '{"name": "add", "parameters": '  # (hermes would open a <tool_call> block)
+            assert r.usage.prompt_tokens == len(tok.encode(framed, add_special_tokens=False))
 
 
 def test_sigterm_drains_then_aborts_and_exits_0(tmp_path, model):

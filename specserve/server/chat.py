@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: messages rendered with the tokenizer's chat template; the output split into
 reasoning, content and tool calls by the configured parsers. A forced tool call (tool_choice "required" or
-a named function, structured.py) is framed as a hermes block and parsed as one."""
+a named function, structured.py) is framed as a hermes block, or as Llama 3.1's JSON where the server reads
+llama3_json, and parsed as one."""
 from __future__ import annotations
 
 import uuid
@@ -32,7 +33,7 @@ class ChatFormatter(Formatter):
                  frame: Optional[ForcedToolCall] = None, schemas: Optional[list[dict]] = None, **kwargs):
         """tools: the tool-call parser that reads the output (None: none); guided: the output is constrained
         from its first token, so it holds no reasoning (and is not read for any); frame: the framing of a
-        forced tool call (hermes, whatever the server's parser); schemas: the request's tools."""
+        forced tool call (see structured.ForcedToolCall); schemas: the request's tools."""
         super().__init__(*args, **kwargs)
         self.reasoning_parser = reasoning_parser
         self.guided = guided
@@ -140,7 +141,8 @@ async def submission(engine: AsyncEngine, state: ServerState, req: ChatCompletio
     """Render the prompt, check it and the request against the engine and compile its constraint (a 400 names
     what is wrong)."""
     tools = req.wants_tool_calls
-    frame = forced_tool_call(req)  # the server frames and parses a forced call itself: no parser option needed
+    # the server frames and parses a forced call itself (in its parser's format where it can): no parser needed
+    frame = forced_tool_call(req, state.options.tool_call_parser)
     if tools and frame is None and state.options.tool_call_parser is None:
         raise bad_request("this server parses no tool calls: start it with --tool-call-parser, "
                           "or send tool_choice 'none'", "tools")
@@ -149,7 +151,7 @@ async def submission(engine: AsyncEngine, state: ServerState, req: ChatCompletio
     params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs,
                              {"json": frame.schema} if frame else None)
     await check_grammar(engine.tokenizer, params, guided_param(req))
-    parser = "hermes" if frame is not None else (state.options.tool_call_parser if tools else None)
+    parser = frame.parser if frame is not None else (state.options.tool_call_parser if tools else None)
     return ChatSubmission(prompt_ids, params, frame, parser)
 
 

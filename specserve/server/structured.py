@@ -29,10 +29,11 @@ from .protocol import ChatCompletionRequest, Tool
 
 @dataclass(frozen=True)
 class ForcedToolCall:
-    """How a request whose output must be a tool call is framed in the hermes format.
+    """How a request whose output must be a tool call is framed: in the hermes format, or in Llama 3.1's JSON
+    where the server reads calls with llama3_json (`parser`: the parser that reads it).
 
     The hermes tool-call parser (parsers.HermesToolParser, the format of the shipped model's chat template;
-    a forced call is read with it whatever --tool-call-parser says) reads
+    a forced call is read with it unless the server reads llama3_json) reads
     `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`.
     The engine's grammar is a JSON schema, so it constrains the JSON inside the block and the tags around
     it are the server's: `prefix` ends the prompt (the model continues a block it has been trained to
@@ -43,19 +44,23 @@ class ForcedToolCall:
       the tool's parameters} (name first, so a stream names the call before its arguments arrive);
     - a named function X (as vLLM): prefix `<tool_call>\\n{"name": "X", "arguments": `, schema X's
       parameters; the output is the arguments alone.
+    In Llama 3.1's JSON (llama3_json) the same without the tags, and with "parameters" for "arguments".
     """
 
     schema: dict[str, Any]
     prefix: str
     suffix: str
+    parser: str = "hermes"
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
 
 
-def forced_tool_call(req: ChatCompletionRequest) -> Optional[ForcedToolCall]:
-    """The framing of a request with tool_choice "required" or a named function; None for others.
+def forced_tool_call(req: ChatCompletionRequest, parser: Optional[str] = None) -> Optional[ForcedToolCall]:
+    """The framing of a request with tool_choice "required" or a named function; None for others. parser: the
+    server's tool-call parser: llama3_json (or SGLang's llama3) frames the call as the JSON object Llama 3.1
+    writes, `{"name": ..., "parameters": {...}}`, with no tags; any other, or none, in hermes's block.
     Raises a 400 when there is no such tool, or another constraint is asked for too."""
     if not req.forces_tool_call:
         return None
@@ -65,18 +70,21 @@ def forced_tool_call(req: ChatCompletionRequest) -> Optional[ForcedToolCall]:
         raise bad_request(f"tool_choice {what} needs tools", "tool_choice")
     if req.constraints():
         raise bad_request(f"tool_choice {what} excludes {req.constraints()[0]}", "tool_choice")
+    llama3 = parser in ("llama3_json", "llama3")
+    key, opening, closing = ("parameters", "", "") if llama3 else ("arguments", f"{TOOL_OPEN}\n", f"\n{TOOL_CLOSE}")
+    parser = "llama3_json" if llama3 else "hermes"
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "arguments": _parameters(t)},
-                  "required": ["name", "arguments"]} for t in req.tools]
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, key: _parameters(t)},
+                  "required": ["name", key]} for t in req.tools]
         schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return ForcedToolCall(schema, f"{TOOL_OPEN}\n", f"\n{TOOL_CLOSE}")
+        return ForcedToolCall(schema, opening, closing, parser)
     tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
     if tool is None:
         names = ", ".join(repr(t.function.name) for t in req.tools)
         raise bad_request(f"tool_choice names function {choice.function.name!r}, which is not in tools ({names})",
                           "tool_choice")
-    prefix = f'{TOOL_OPEN}\n{{"name": {json.dumps(tool.function.name)}, "arguments": '
-    return ForcedToolCall(_parameters(tool), prefix, f"}}\n{TOOL_CLOSE}")
+    prefix = f'{opening}{{"name": {json.dumps(tool.function.name)}, "{key}": '
+    return ForcedToolCall(_parameters(tool), prefix, "}" + closing, parser)
 
 
 _LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # xgrammar's "[04:38:56] /path/file.cc:5088: "
