@@ -30,8 +30,15 @@ def default_draft_path() -> str | None:
     return SHIPPED_DRAFT if os.path.isfile(os.path.join(SHIPPED_DRAFT, "config.json")) else None
 
 
-def _train_tokenizer(vocab_size: int):
+def _tokenizer(vocab_size: int):
+    """The shipped target's tokenizer, so that a tiny checkpoint is the same model whatever the package's code (a
+    tokenizer trained on the package's own files changed with every edit, and with it every tiny model's outputs);
+    a byte-level BPE of vocab_size trained on the package's files where no target is shipped."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    shipped = os.path.join(SHIPPED_TARGET, "tokenizer.json")
+    if os.path.isfile(shipped):
+        return Tokenizer.from_file(shipped)
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,14 +52,14 @@ def _train_tokenizer(vocab_size: int):
 
 
 def make_tiny_checkpoint(path: str, vocab_size: int = 512, seed: int = 0) -> None:
-    """Write a tiny random Llama checkpoint with a tokenizer to `path` (atomically)."""
+    """Write a tiny random Llama checkpoint with a tokenizer (`_tokenizer`) to `path` (atomically)."""
     import torch
 
     from .models import ArchConfig
     from .models.checkpoint import save_checkpoint
     from .models.llama import LlamaForCausalLM
 
-    tok = _train_tokenizer(vocab_size)
+    tok = _tokenizer(vocab_size)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tok.get_vocab_size(),
         "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
