@@ -263,7 +263,8 @@ def test_reasoning_and_a_function_call_come_back_as_items(scripted_server):  # n
 def test_structured_output_and_a_forced_function_call(client):
     pytest.importorskip("xgrammar")
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum": ["a", "b"]}},
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "s": {"enum": ["a", "b"]}},
               "required": ["n", "s"], "additionalProperties": False}
     r = client.responses.create(model=MODEL, input="Some JSON.", max_output_tokens=60, temperature=0,
                                 text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
