@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -62,6 +62,15 @@ class InFlight:
 
 class RequestError(ValueError):
     """A request is invalid (the message names the problem); nothing else is affected."""
+
+
+class LoadedLoRA(NamedTuple):
+    """A LoRA adapter the engine serves: its slot in the layers, its folder, which load it is (ever increasing:
+    an adapter loaded again under a name is another load)."""
+
+    slot: int
+    folder: str
+    load: int
 
 
 class RequestOutput:
@@ -197,10 +206,9 @@ class LLMEngine:
         self.copy_events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
         self._flip = 0
         self.requests: dict[str, Sequence] = {}
-        self.loras = {name: slot for slot, name in enumerate(config.model.loras, start=1)}  # adapter -> slot
-        self.lora_folders = dict(config.model.loras)  # adapter -> its folder
         self._lora_loads = itertools.count()
-        self.lora_loads = {name: next(self._lora_loads) for name in self.loras}  # adapter -> which load it is
+        self.loras = {name: LoadedLoRA(slot, folder, next(self._lora_loads))  # the adapters served, by name
+                      for slot, (name, folder) in enumerate(config.model.loras.items(), start=1)}
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests were added in
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
@@ -252,25 +260,26 @@ class LLMEngine:
         under a name shares nothing with the one before) and its cache salt; None: neither."""
         if options.lora is None and options.cache_salt is None:
             return None
-        return json.dumps([options.lora, self.lora_loads.get(options.lora), options.cache_salt]).encode()
+        adapter = self.loras.get(options.lora)
+        return json.dumps([options.lora, adapter and adapter.load, options.cache_salt]).encode()
 
     def load_lora(self, name: str, folder: str) -> None:
         """Serve the PEFT adapter in `folder` as `name` from now on (on every rank). RequestError for a name in
         use; LoRAError for an adapter that cannot load (nothing changes then)."""
         if name in self.loras:
             raise RequestError(f"a LoRA adapter named {name!r} is loaded already")
-        slot = min(set(range(1, len(self.loras) + 2)) - set(self.loras.values()))
+        slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
         self.runner.load_adapter(folder, slot)
-        self.loras[name], self.lora_folders[name], self.lora_loads[name] = slot, folder, next(self._lora_loads)
+        self.loras[name] = LoadedLoRA(slot, folder, next(self._lora_loads))
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name`. RequestError when no such adapter is loaded, or requests still use it."""
-        self.check_options(RequestOptions(lora=name))
-        users = sum(1 for seq in self.requests.values() if seq.lora == self.loras[name])
+        slot = self.check_options(RequestOptions(lora=name))
+        users = sum(1 for seq in self.requests.values() if seq.lora == slot)
         if users:
             raise RequestError(f"LoRA adapter {name!r} is in use by {users} unfinished request(s)")
-        self.runner.unload_adapter(self.loras.pop(name))
-        del self.lora_folders[name], self.lora_loads[name]
+        del self.loras[name]
+        self.runner.unload_adapter(slot)
 
     def check_options(self, options: RequestOptions) -> int:
         """The slot of the request's adapter (0: none). RequestError for an adapter this engine does not serve,
@@ -283,7 +292,7 @@ class LLMEngine:
         if options.lora not in self.loras:
             served = ", ".join(self.loras) or "none"
             raise RequestError(f"unknown LoRA adapter {options.lora!r} (this engine serves: {served})")
-        return self.loras[options.lora]
+        return self.loras[options.lora].slot
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""

@@ -150,7 +150,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         card = {"id": name, "object": "model", "created": created, "owned_by": "specserve",
                 "max_model_len": config.max_model_len}
         if name != state.model_name:
-            card.update(root=state.engine.engine.lora_folders[name], parent=state.model_name)
+            card.update(root=state.adapters[name].folder, parent=state.model_name)
         return card
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})

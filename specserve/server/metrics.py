@@ -51,7 +51,7 @@ class EngineCollector:
     def _lora(self, core) -> Metric:
         """vLLM's lora_requests_info: the adapters of the running and the waiting requests as labels
         (comma-separated), the adapters loaded; its value the time of the scrape."""
-        names = {slot: name for name, slot in dict(core.loras).items()}
+        names = {adapter.slot: name for name, adapter in dict(core.loras).items()}
         info = GaugeMetricFamily("specserve:lora_requests_info", "LoRA adapters of the running and waiting "
                                  "requests", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         running, waiting = ({names[s.lora] for s in list(queue) if s.lora in names}

@@ -65,8 +65,8 @@ class ServerState:
         return self.engine
 
     @property
-    def adapters(self) -> dict[str, int]:
-        """The LoRA adapters served beside the model: name -> slot."""
+    def adapters(self) -> dict:
+        """The LoRA adapters served beside the model, by name (engine.LoadedLoRA)."""
         return self.engine.engine.loras if self.engine is not None else {}
 
     def check_model(self, model: Optional[str]) -> None:
