@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import sys
 
 from .config import ConfigError, EngineConfig, option_table
@@ -134,9 +135,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server.serve import run
     except ImportError as e:
-        raise ConfigError(f"`specserve serve` needs the server extra ({e.name} is missing): "
-                          f"pip install 'specserve[server]'") from e
+        raise _needs_server_extra("serve", e) from e
     return run(config, options)
+
+
+# server options that mean nothing without a listening socket
+NOT_FOR_BATCH = ("host", "port", "api_key", "access_log", "allowed_origins", "shutdown_timeout",
+                 "allow_runtime_lora_updating")
+
+
+def add_run_batch_command(sub) -> None:
+    """`specserve run-batch`: a file of OpenAI batch requests through the server's routes, offline (vLLM's
+    run_batch)."""
+    from .server.options import add_server_args
+
+    r = sub.add_parser("run-batch", help="run a JSONL file of OpenAI batch requests and write their responses")
+    r.add_argument("-i", "--input-file", required=True,
+                   help="JSONL of {custom_id, method, url, body} lines for /v1/chat/completions, /v1/completions or "
+                        "/v1/responses ('-': standard input)")
+    r.add_argument("-o", "--output-file", required=True,
+                   help="JSONL of {id, custom_id, response, error}, one per input line, in input order "
+                        "('-': standard output)")
+    add_engine_args(r)
+    add_server_args(r, skip=NOT_FOR_BATCH)
+    r.set_defaults(func=cmd_run_batch)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from .engine.machine import resolve_config
+    from .server.options import server_options
+
+    options = server_options(args)
+    config = EngineConfig.from_options(**engine_options(args))
+    resolve_config(config)
+    code = launched_worker(config)
+    if code is not None:
+        return code
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        raise FileNotFoundError(f"no input file {args.input_file!r} (--input-file)")
+    try:
+        from .server.batch import run_batch
+    except ImportError as e:
+        raise _needs_server_extra("run-batch", e) from e
+    return run_batch(config, options, args.input_file, args.output_file)
 
 
 def add_train_draft_command(sub) -> None:
@@ -282,6 +323,7 @@ def build_parser() -> Parser:
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_serve_command(sub)
+    add_run_batch_command(sub)
     add_train_draft_command(sub)
     add_bench_command(sub)
     add_compare_command(sub)

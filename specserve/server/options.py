@@ -70,10 +70,12 @@ class ServerOptions:
             raise ConfigError("option enable_auto_tool_choice needs tool_call_parser (which parser reads the calls)")
 
 
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServerOptions field: `--max-queued-requests` is `max_queued_requests`."""
+def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per ServerOptions field but those in `skip`: `--max-queued-requests` is `max_queued_requests`."""
     group = parser.add_argument_group("server")
     for f in fields(ServerOptions):
+        if f.name in skip:
+            continue
         kind = f.type.replace("Optional[", "").rstrip("]")
         if kind == "bool":  # --flag and --no-flag, as uvicorn's --access-log / --no-access-log
             group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, action=argparse.BooleanOptionalAction,
@@ -86,4 +88,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions)})
+    """The options of the flags `args` has (the others keep their defaults)."""
+    return ServerOptions(**{f.name: getattr(args, f.name) for f in fields(ServerOptions) if hasattr(args, f.name)})
