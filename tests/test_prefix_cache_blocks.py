@@ -171,3 +171,19 @@ def test_cached_blocks_counts_leading_content_held_on_the_device():
     for s in (b, c, d):
         bm.free(s)
     bm.check()
+
+
+def test_reset_forgets_device_and_host_blocks_once_none_is_held():
+    bm, plane = host_manager(num_blocks=4, host_slots=8, write_through=True)
+    a = seq("a", [1, 2, 3, 4, 5])
+    run(bm, a)
+    assert not bm.reset()  # a holds its blocks: nothing changes
+    bm.free(a)
+    other = seq("other", [9, 9, 9, 9, 9, 9, 9])  # evicts a's blocks to the host
+    run(bm, other)
+    bm.free(other)
+    assert len(bm.index) == 5 and bm.host.num_used == 5
+    assert bm.reset()
+    assert len(bm.index) == 0 and bm.host.num_used == 0 and not bm.evictable and bm.num_free_blocks == 4
+    bm.check()
+    assert run(bm, seq("back", [1, 2, 3, 4, 6])) == 0  # nothing left to hit

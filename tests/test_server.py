@@ -204,6 +204,27 @@ def test_prefix_cache_hits_reach_metrics_and_server_info(server, client):
     assert info["kv_host_total_blocks"] == 0 and scrape("specserve:kv_host_usage_perc") == 0  # CPU: no host pool
 
 
+def test_reset_prefix_cache_forgets_prefixes_once_idle(server, client):
+    prompt = "\n".join(PROMPTS * 3) + " reset"
+    cached = lambda: httpx.post(server.url + "/generate", headers=server.headers, json={  # noqa: E731
+        "text": prompt, "sampling_params": {"max_new_tokens": 2}}).json()["meta_info"]["cached_tokens"]
+    cached()
+    assert cached() > 0
+    stream = client.completions.create(model=MODEL, prompt="x", max_tokens=1000, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    r = httpx.post(server.url + "/reset_prefix_cache", headers=server.headers)
+    assert r.status_code == 409 and "hold KV blocks" in r.json()["error"]["message"]
+    stream.close()
+    wait_idle(server)
+    assert cached() > 0  # the refused reset changed nothing
+    assert httpx.post(server.url + "/reset_prefix_cache").status_code == 401
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        assert httpx.post(server.url + path, headers=server.headers).status_code == 200
+        assert server.info()["prefix_cache"]["cached_blocks"] == 0
+        assert cached() == 0
+
+
 def test_greedy_completions_and_chat_equal_offline(client, llm):
     want = llm.generate(PROMPTS[:4], greedy(24))
     for prompt, ref in zip(PROMPTS[:4], want):

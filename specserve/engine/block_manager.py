@@ -95,6 +95,15 @@ class BlockManager:
         if seq.prefix_state is not None:
             seq.prefix_state.nodes, seq.prefix_state.stopped = [], False
 
+    def reset(self) -> bool:
+        """Forget every cached block, on the device and on the host; False (nothing changes) while a block is
+        referenced."""
+        if any(self.ref_counts):
+            return False
+        for root in [n for n in self.index.nodes.values() if n.parent is None]:
+            self._drop(root)
+        return True
+
     # ---- prefix hits ----------------------------------------------------------------------------
     def match(self, seq: Sequence) -> PrefixHit:
         """The cached blocks seq's tokens start with (no side effects). The last token is never part of

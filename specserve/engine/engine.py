@@ -281,6 +281,13 @@ class LLMEngine:
         del self.loras[name]
         self.runner.unload_adapter(slot)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the device and in the host tier (vLLM's reset_prefix_cache). RequestError
+        while requests hold KV blocks: cached blocks they share cannot be forgotten under them."""
+        holders = sum(1 for seq in self.requests.values() if seq.block_table)
+        if holders or not self.blocks.reset():
+            raise RequestError(f"{holders} request(s) hold KV blocks: reset the prefix cache when none runs")
+
     def check_options(self, options: RequestOptions) -> int:
         """The slot of the request's adapter (0: none). RequestError for an adapter this engine does not serve,
         or a priority without the priority scheduling policy."""

@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..engine.engine import RequestError
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
@@ -203,6 +204,18 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         stored_response(state, response_id)
         state.responses.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.post("/reset_prefix_cache", response_class=PlainTextResponse, responses=_errors(401, 409, 500, 503))
+    @app.post("/flush_cache", response_class=PlainTextResponse, responses=_errors(401, 409, 500, 503))
+    async def reset_prefix_cache() -> PlainTextResponse:
+        """Forget every cached prefix (vLLM's /reset_prefix_cache, SGLang's /flush_cache), as between benchmark
+        runs; 409 while requests run."""
+        engine = state.serving_engine()
+        try:
+            await engine.call(engine.engine.reset_prefix_cache)
+        except RequestError as e:
+            raise APIError(409, str(e), "conflict_error", code="requests_running") from None
+        return PlainTextResponse("Success: the prefix cache is empty.")
 
     if state.options.allow_runtime_lora_updating:
         add_lora_routes(app, state)
