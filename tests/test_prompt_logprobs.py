@@ -112,9 +112,9 @@ class EagerGraphs:
     decode graphs of 1-8 rows and mixed graphs of up to 512 tokens, each replayed eagerly, so the runner's
     graph branch runs on the CPU too."""
 
-    follow = None
+    follow, lora_slots = None, 0
     sizes, mixed_tokens, max_bs = {1: [1, 2, 4, 8]}, (64, 128, 256, 512), 8
-    graph_for, _mixed_for = GraphRunner.graph_for, GraphRunner._mixed_for
+    graph_for, _plain_for, _mixed_for = GraphRunner.graph_for, GraphRunner._plain_for, GraphRunner._mixed_for
 
     def __init__(self, runner):
         self.runner, self.replays, self.mixed_replays = runner, 0, 0
