@@ -305,7 +305,7 @@ def test_adapters_load_and_unload_at_run_time(pairs, tmp_path):
     with pytest.raises(LoRAError, match="lm_head"):
         engine.load_lora("h", head)
     stacks = [m.lora for m in engine.runner.model.modules() if getattr(m, "lora", None) is not None]
-    assert not engine.loras and stacks and not any(s.a.any() or s.b.any() for s in stacks)
+    assert not engine.loras and stacks and not any(s.a.any() or s.bt.any() for s in stacks)
     assert_pool_full(llm)
 
 

@@ -15,6 +15,10 @@ tiles over the rows are refilled before each replay (`AttentionBackend.mixed_til
 costs one host launch per kernel, which on a small model is most of the step (session 38: on the H200 the
 shipped pair's speculative steps that took a prompt ran eagerly at ~6.6 ms, and chain-3 read 0.49x plain at
 C = 10).
+
+With LoRA room reserved (layers/lora.py), each graph has a twin keyed (..., ADAPTERS) whose layers add the
+adapters' deltas, each token's slot read from a static buffer: steps with adapter rows replay it, the others
+keep the graph without (and its fused few-row path).
 """
 from __future__ import annotations
 

@@ -31,8 +31,11 @@ class LoRAStack:
                  device: torch.device):
         """width: a slot's rank room (the largest rank times the layer's fused parts)."""
         self.slots, self.width = slots, width
-        self.a = torch.zeros(slots, width, in_features, dtype=dtype, device=device)  # [slots, width, in]
-        self.b = torch.zeros(out_features, slots * width, dtype=dtype, device=device)  # [out, slots * width]
+        self.a = torch.zeros(slots * width, in_features, dtype=dtype, device=device)  # [slots * width, in]
+        self.bt = torch.zeros(slots * width, out_features, dtype=dtype, device=device)  # [slots * width, out]: B^T
+
+    def region(self, slot: int) -> slice:
+        return slice((slot - 1) * self.width, slot * self.width)
 
     def put(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter matrices a [rank, in] and b [out, rank] (its scale included) as `slot`."""
@@ -40,27 +43,32 @@ class LoRAStack:
         if rank > self.width:
             raise ValueError(f"rank {rank} does not fit the {self.width} reserved per adapter (max_lora_rank)")
         self.clear(slot)
-        self.a[slot - 1, :rank] = a
-        start = (slot - 1) * self.width
-        self.b[:, start:start + rank] = b
+        start = self.region(slot).start
+        self.a[start:start + rank] = a
+        self.bt[start:start + rank] = b.T
 
     def clear(self, slot: int) -> None:
-        self.a[slot - 1].zero_()
-        self.b[:, (slot - 1) * self.width:slot * self.width].zero_()
+        self.a[self.region(slot)].zero_()
+        self.bt[self.region(slot)].zero_()
 
-    def delta(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [n, out] plus each row's adapter delta; x [n, in], mask [n, slots] (a row's own slot true)."""
+    def delta(self, x: torch.Tensor, batch: "LoRABatch", y: torch.Tensor) -> torch.Tensor:
+        """y [n, out] plus each row's adapter delta, x [n, in]."""
+        if batch.single is not None:  # every row on one adapter: its region alone
+            region = self.region(batch.single)
+            return torch.addmm(y, x @ self.a[region].T, self.bt[region])
         n = x.shape[0]
-        h = (x @ self.a.view(-1, self.a.shape[-1]).T).view(n, self.slots, self.width)  # [n, slots, width]
-        h = torch.where(mask.unsqueeze(-1), h, 0)  # (a where: no NaN from other slots' rows)
-        return torch.addmm(y, h.view(n, -1), self.b.T)
+        h = (x @ self.a.T).view(n, self.slots, self.width)  # [n, slots, width]
+        h = torch.where(batch.mask.unsqueeze(-1), h, 0)  # (a where: no NaN from other slots' rows)
+        return torch.addmm(y, h.view(n, -1), self.bt)
 
 
 @dataclass
 class LoRABatch:
-    """Which adapter slot each row of a forward uses: mask [num_tokens, slots], true at its slot (none: base)."""
+    """Which adapter slot each row of a forward uses: mask [num_tokens, slots], true at its slot (none: base);
+    single: the slot of every row, when they share one (eager steps: the layers compute that slot alone)."""
 
-    mask: torch.Tensor
+    mask: Optional[torch.Tensor]
+    single: Optional[int] = None
 
 
 _active: Optional[LoRABatch] = None
@@ -86,7 +94,7 @@ def add_lora(stack: Optional[LoRAStack], x: torch.Tensor, y: torch.Tensor) -> to
     """y [n, out] (x [n, in] through the layer's weight) plus, on each adapter's rows, its delta."""
     if _active is None or stack is None:
         return y
-    return stack.delta(x, _active.mask, y)
+    return stack.delta(x, _active, y)
 
 
 def slot_mask(token_slots: torch.Tensor, slots: int) -> torch.Tensor:
@@ -104,4 +112,6 @@ def batch_of(slots: list[int], q_lens: list[int], max_slots: int, device: torch.
     uses an adapter."""
     if not any(slots):
         return None
+    if len(set(slots)) == 1:
+        return LoRABatch(None, slots[0])
     return LoRABatch(slot_mask(torch.from_numpy(token_slots(slots, q_lens)).to(device), max_slots))
