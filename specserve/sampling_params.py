@@ -83,6 +83,7 @@ class SamplingParams:
       the vocabulary by the engine);
     - `min_tokens` (<= max_tokens): EOS and `stop_token_ids` cannot be sampled before that many output
       tokens.
+    - `allowed_token_ids` (vLLM's; None: all): only these tokens can be sampled (the others' logits -inf).
 
     `structured_outputs` (`StructuredOutputsParams`, vLLM's; through xgrammar: the `grammar` extra) constrains
     the output: only tokens that keep it a prefix of a match can be sampled, and the request stops when the
@@ -105,6 +106,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    allowed_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -115,6 +117,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_keys(self.logit_bias)
+        if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
+            self.allowed_token_ids = sorted(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -154,6 +158,10 @@ class SamplingParams:
                 bad(f"logit_bias keys must be non-negative token ids, got {token!r}")
             if not _number(bias) or not -100 <= bias <= 100:
                 bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, list) or not allowed or any(
+                not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in allowed)):
+            bad(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
@@ -177,9 +185,10 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Raise ValueError if logit_bias or stop_token_ids name a token outside the vocabulary (the
-        engine calls this where it checks prompts)."""
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+        """Raise ValueError if logit_bias, stop_token_ids or allowed_token_ids name a token outside the vocabulary
+        (the engine calls this where it checks prompts)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"invalid sampling parameter: {name} token id {bad[0]} is outside the "
@@ -197,8 +206,13 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Does any logits processor apply (penalties, logit_bias or min_tokens)?"""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Does any logits processor apply (penalties, logit_bias, min_tokens or allowed_token_ids)?"""
+        return self.has_penalties or self.has_bias or self.min_tokens > 0
+
+    @property
+    def has_bias(self) -> bool:
+        """Is a fixed amount added to logits (logit_bias, or -inf outside allowed_token_ids)?"""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 def _number(x) -> bool:

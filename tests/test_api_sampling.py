@@ -62,6 +62,9 @@ def test_neutral_and_absent_values_are_the_defaults():
     ({"logit_bias": {"-5": 1}}, "logit_bias.-5.[key]"), ({"logit_bias": [5]}, "logit_bias"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
     ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids.0"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ])
 def test_bad_values_are_refused_naming_the_field(server, extra, param):  # noqa: F811
     r = post(server, {"prompt": "x", "max_tokens": 4, **extra})
@@ -74,6 +77,8 @@ def test_logit_bias_outside_the_vocabulary_is_refused(server, model):  # noqa: F
     r = post(server, {"prompt": "x", "logit_bias": {"3": 1, str(vocab): 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
     assert f"token id {vocab}" in r.json()["error"]["message"]
+    r = post(server, {"prompt": "x", "allowed_token_ids": [3, vocab]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
 # ---- end to end, once the engine has the fields ----------------------------------------------------
@@ -98,6 +103,33 @@ def test_the_server_samples_as_the_engine_does_with_the_same_params(server, llm,
     assert r.json()["choices"][0]["text"] == ref.text
     if "min_tokens" in extra:
         assert r.json()["usage"]["completion_tokens"] >= extra["min_tokens"]
+
+
+def test_allowed_token_ids_are_all_that_is_sampled(server, llm):  # noqa: F811
+    allowed = [llm.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" return", " x", " (")]
+    r = post(server, {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                      "allowed_token_ids": allowed})
+    assert r.status_code == 200, r.text
+    [ref] = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                                      allowed_token_ids=allowed))
+    assert r.json()["choices"][0]["text"] == ref.text
+    assert set(ref.token_ids) <= set(allowed) and len(set(ref.token_ids)) > 1
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(server, llm):  # noqa: F811
+    prompt = "\n".join(PROMPTS)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    [ref] = llm.generate([ids[-10:]], greedy(8))
+    r = post(server, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                      "truncate_prompt_tokens": 10, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == 10 and body["choices"][0]["text"] == llm.tokenizer.decode(ids[-10:]) \
+        + ref.text
+    messages = [{"role": "user", "content": prompt}]
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": messages, "max_tokens": 4, "truncate_prompt_tokens": 12}).json()
+    assert chat["usage"]["prompt_tokens"] == 12
 
 
 def test_logprobs_stay_json():

@@ -99,6 +99,41 @@ def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
             assert 0 < record["ttft"] <= record["latency"] and len(record["itl"]) <= 7
 
 
+def test_flush_cache_keeps_levels_from_reusing_each_others_kv(tmp_path, server):
+    hits = lambda: httpx.get(server.url + "/server_info").json()["prefix_cache"]["num_hits"]  # noqa: E731
+    flags = ("--concurrency", "1,1", "--requests-per-level", "3", "--max-tokens", "2", "--warmup", "0")
+    before = hits()
+    bench(tmp_path, server.url, *flags)
+    repeated = hits() - before  # the second level's prompts are the first's
+    before = hits()
+    result = bench(tmp_path, server.url, *flags, "--flush-cache")
+    assert repeated > 0 and hits() - before < repeated and result["options"]["flush_cache"]
+
+
+def test_flush_cache_tries_sglang_then_vllm_and_waits_out_a_refusal():
+    from specserve.bench.client import flush_cache
+
+    def server(answers: dict):
+        calls = []
+
+        def handle(request):
+            calls.append(request.url.path)
+            status = answers[request.url.path].pop(0) if answers.get(request.url.path) else 404
+            return httpx.Response(status, json={"error": {"message": f"status {status}"}})
+        return httpx.AsyncClient(transport=httpx.MockTransport(handle)), calls
+
+    async def flush(answers: dict):
+        client, calls = server(answers)
+        async with client:
+            await flush_cache(client, "http://s", None)
+        return calls
+
+    assert asyncio.run(flush({"/reset_prefix_cache": [200]})) == ["/flush_cache", "/reset_prefix_cache"]
+    assert asyncio.run(flush({"/flush_cache": [409, 409, 200]})) == ["/flush_cache"] * 3
+    with pytest.raises(BenchError, match="could not be emptied.*flush_cache: HTTP 404.*reset_prefix_cache: HTTP 404"):
+        asyncio.run(flush({}))
+
+
 def test_range_ratio_asks_each_prompt_its_own_length(tmp_path, server):
     """With --max-tokens-range-ratio and --ignore-eos every request returns the length drawn for its prompt,
     the same in every level; the lengths differ between prompts and stay inside the range."""

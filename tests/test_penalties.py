@@ -29,6 +29,9 @@ def hf_process(logits: torch.Tensor, params: SamplingParams, prompt: list[int], 
     """The reference: transformers' processors in vLLM's order (bias, min_tokens, repetition over prompt and
     output), then OpenAI's formula for the frequency and presence penalties, a token at a time."""
     procs = []
+    if params.allowed_token_ids is not None:
+        outside = sorted(set(range(logits.shape[-1])) - set(params.allowed_token_ids))
+        procs.append(tf.SuppressTokensLogitsProcessor(outside))
     if params.logit_bias:
         procs.append(tf.SequenceBiasLogitsProcessor({(t,): float(b) for t, b in params.logit_bias.items()}))
     if params.min_tokens and stops:
@@ -48,7 +51,8 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
         presence_penalty=rng.choice([0.0, 0.0, 0.5, -1.0, 2.0]),
         frequency_penalty=rng.choice([0.0, 0.0, 0.3, -0.5, 2.0]),
         logit_bias=rng.choice([{}, {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(3)}]),
-        min_tokens=rng.choice([0, 0, 3, 8]), stop_token_ids=rng.choice([[], [rng.randrange(vocab)]]))
+        min_tokens=rng.choice([0, 0, 3, 8]), stop_token_ids=rng.choice([[], [rng.randrange(vocab)]]),
+        allowed_token_ids=rng.choice([None, None, sorted(rng.sample(range(vocab), 6)) + [EOS]]))
 
 
 def make_seq(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
@@ -195,6 +199,7 @@ OPTIONS = [dict(repetition_penalty=1.4), dict(repetition_penalty=0.7),
            dict(min_tokens=5, stop_token_ids=[7], logit_bias={7: 5.0}, frequency_penalty=0.3),
            dict(repetition_penalty=1.1, frequency_penalty=-0.4, presence_penalty=0.6, logit_bias={3: 2.0},
                 min_tokens=3),
+           dict(allowed_token_ids=[3, 5, 9, 12, 20, 33, EOS], repetition_penalty=1.3, logit_bias={9: 2.0}),
            dict()]
 GREEDY = [SamplingParams(temperature=0, max_tokens=NEW, **o) for o in OPTIONS]
 SEEDED = [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=NEW, **o) for i, o in enumerate(OPTIONS)]
@@ -313,16 +318,19 @@ def test_logit_bias_forces_a_token_and_min_tokens_holds_eos_back(pair, spec):
     forced = [SamplingParams(temperature=t, seed=s, max_tokens=12, logit_bias={5: 100}) for t, s in
               ((0, None), (1.0, 3), (1.0, None))]
     eos_late = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, logit_bias={EOS: 100})
-    outs = llm.generate([[2, 3, 4]] * 4, forced + [eos_late])
+    few = SamplingParams(temperature=1.0, seed=4, max_tokens=12, allowed_token_ids=[7, 11], ignore_eos=True)
+    outs = llm.generate([[2, 3, 4]] * 5, forced + [eos_late, few])
     assert [o.token_ids for o in outs[:3]] == [[5] * 12] * 3
     late = outs[3]
     assert EOS not in late.token_ids[:6] and late.token_ids[6:] == [EOS] and late.finish_reason == "stop"
+    assert set(outs[4].token_ids) == {7, 11}
 
 
 def test_options_are_validated():
     for bad in (dict(repetition_penalty=0), dict(repetition_penalty=-1.0), dict(presence_penalty=2.5),
                 dict(frequency_penalty=-3), dict(logit_bias={1: 101}), dict(logit_bias={-1: 1}),
-                dict(logit_bias={"x": 1}), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5)):
+                dict(logit_bias={"x": 1}), dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5),
+                dict(allowed_token_ids=[]), dict(allowed_token_ids=[-1]), dict(allowed_token_ids=3)):
         with pytest.raises(ValueError, match="invalid sampling parameter"):
             SamplingParams(**bad)
     assert SamplingParams(logit_bias={"12": 5}).logit_bias == {12: 5}
@@ -330,4 +338,6 @@ def test_options_are_validated():
         SamplingParams(logit_bias={64: 1}).check_token_ids(64)
     with pytest.raises(ValueError, match="stop_token_ids token id 70"):
         SamplingParams(stop_token_ids=[70]).check_token_ids(64)
-    SamplingParams(logit_bias={63: 1}, stop_token_ids=[0]).check_token_ids(64)
+    with pytest.raises(ValueError, match="allowed_token_ids token id 64"):
+        SamplingParams(allowed_token_ids=[3, 64]).check_token_ids(64)
+    SamplingParams(logit_bias={63: 1}, stop_token_ids=[0], allowed_token_ids=[63]).check_token_ids(64)

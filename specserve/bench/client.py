@@ -8,6 +8,7 @@ request contributes no tokens.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
@@ -187,6 +188,33 @@ async def served_model(client: httpx.AsyncClient, base_url: str, api_key: Option
     if not models:
         raise BenchError(f"GET {url}: the server lists no model")
     return models[0]["id"]
+
+
+FLUSH_PATHS = ("/flush_cache", "/reset_prefix_cache")  # SGLang's, vLLM's (specserve serves both)
+FLUSH_WAIT_S = 10.0  # how long a refused flush is retried: the last level's requests may still be leaving
+
+
+async def flush_cache(client: httpx.AsyncClient, base_url: str, api_key: Optional[str]) -> None:
+    """Empty the server's prefix cache; BenchError when it serves neither path or keeps refusing."""
+    deadline = time.monotonic() + FLUSH_WAIT_S
+    while True:
+        answers, refused = [], False
+        for path in FLUSH_PATHS:
+            url = base_url.rstrip("/") + path
+            try:
+                response = await client.post(url, headers=auth_headers(api_key))
+            except httpx.HTTPError as e:
+                raise BenchError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+            if response.status_code == 200:
+                return
+            answers.append(f"POST {path}: HTTP {response.status_code}: {_error_message(response.content)}")
+            refused = response.status_code not in (404, 405)  # served, and refused: try it again
+            if refused:
+                break
+        if not refused or time.monotonic() > deadline:
+            raise BenchError("--flush-cache: the server's prefix cache could not be emptied (" + "; ".join(answers)
+                             + ")")
+        await asyncio.sleep(0.2)
 
 
 async def spec_counters(base_url: str, api_key: Optional[str]) -> Optional[SpecCounters]:

@@ -35,6 +35,7 @@ class SweepOptions:
     rounds: int = 1  # each level run this many times (interleaved across compare's servers); the median kept
     fresh_prompts: bool = False  # each level (and round) sends the next prompts of the shuffle, not the first N
     lora_modules: tuple[str, ...] = ()  # adapters' names: each request asks for one of them (vLLM bench serve's)
+    flush_cache: bool = False  # empty the server's prefix cache before each level (SGLang bench_serving's)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -133,6 +134,9 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
     g.add_argument("--lora-modules", nargs="+", type=str, metavar="NAME",
                    help="LoRA adapters the server serves: each request names one of them as its model, drawn by "
                         "prompt (vLLM's bench serve flag; default: none, the served model)")
+    g.add_argument("--flush-cache", action="store_true", default=None,
+                   help="empty the server's prefix cache before each level and round (POST /flush_cache, SGLang's, "
+                        "else /reset_prefix_cache, vLLM's), so that no level reuses another's KV")
     g.add_argument("--rounds", type=positive_int,
                    help="run the whole sweep this many times and keep each level's median round; `compare` then "
                         "starts every configuration's server up front and runs each level on each server in turn "

@@ -27,6 +27,7 @@ from .client import (
     Endpoint,
     RequestResult,
     acceptance_length,
+    flush_cache,
     send_request,
     served_model,
     server_spec,
@@ -107,10 +108,19 @@ async def run_interleaved(servers: list[tuple[str, str]], options: SweepOptions,
                 for c in options.concurrency:
                     prompts = next(schedule)
                     for run in (live if r % 2 == 0 else live[::-1]):
+                        if run.error is not None:
+                            continue
+                        if options.flush_cache:
+                            try:
+                                await flush_cache(run.client, run.endpoint.base_url, options.api_key)
+                            except BenchError as e:
+                                run.error = e
+                                continue
                         title = run.name + (f" round {r + 1}" if options.rounds > 1 else "")
                         level = await _run_level(run.client, run.endpoint, prompts, c, options, run.rng, progress,
                                                  title)
                         run.levels.setdefault(c, []).append(level)
+        live = [run for run in live if run.error is None]
         for run in live:
             run.result["levels"] = [median_level(run.levels[c]) for c in options.concurrency]
             run.result["server_spec"] = await server_spec(run.endpoint.base_url, options.api_key)

@@ -1,20 +1,20 @@
-"""Logits processors that depend on a request's tokens so far: logit_bias, min_tokens and the repetition,
-frequency and presence penalties (`SamplingParams`), applied to the raw logits before temperature and the
-filters, in this order (vLLM's): logits + bias; EOS and stop_token_ids -inf while fewer than min_tokens
-output tokens exist; the repetition penalty on tokens seen in the prompt or the output (a positive logit
-divided by it, a negative one multiplied); minus frequency * count and presence * [count > 0] over the
-output tokens.
+"""Logits processors that depend on a request's tokens so far: logit_bias, allowed_token_ids, min_tokens and the
+repetition, frequency and presence penalties (`SamplingParams`), applied to the raw logits before temperature and
+the filters, in this order (vLLM's): logits + bias (-inf outside allowed_token_ids); EOS and stop_token_ids -inf
+while fewer than min_tokens output tokens exist; the repetition penalty on tokens seen in the prompt or the output
+(a positive logit divided by it, a negative one multiplied); minus frequency * count and presence * [count > 0]
+over the output tokens.
 
-Lossless under speculation: a plain step processes the logits after the sequence's tokens; a verify
-processes the logits after draft node j with the sequence's tokens plus the drafts on the path from the
-root to j (its ancestors and j itself), exactly the tokens a plain step would have seen after
-committing them, with the same element-wise operations (`apply`), so the same bits.
+Lossless under speculation: a plain step processes the logits after the sequence's tokens; a verify processes the
+logits after draft node j with the sequence's tokens plus the drafts on the path from the root to j (its ancestors
+and j itself), exactly the tokens a plain step would have seen after committing them, with the same element-wise
+operations (`apply`), so the same bits.
 
-Counts live on the device (`TokenCounts`, one per request that asks, folded forward from the host's
-tokens a step at a time). With overlap scheduling the previous step's token is still on the device when
-the next one samples; it is added from the device (`ModelRunner.pending_tokens`), so requests with
-these options overlap like any other. A batch in which no request asks does no work here. Grammar masks
-(structured output) come after these processors, see `layers.grammar`.
+Counts live on the device (`TokenCounts`, one per request that asks, folded forward from the host's tokens a step
+at a time). With overlap scheduling the previous step's token is still on the device when the next one samples; it
+is added from the device (`ModelRunner.pending_tokens`), so requests with these options overlap like any other. A
+batch in which no request asks does no work here. Grammar masks (structured output) come after these processors,
+see `layers.grammar`.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def apply(logits: torch.Tensor, bias: torch.Tensor, banned: torch.Tensor, prompt
 
 class TokenCounts:
     """A request's tokens on the device: `counts` [V] fp32 of its output tokens (folded in from the host
-    as they arrive), `prompt` [V] bool, its logit_bias as a dense `bias` [V] and `stops` [V] bool (EOS and
-    stop_token_ids, which min_tokens holds back)."""
+    as they arrive), `prompt` [V] bool, its logit_bias as a dense `bias` [V] (-inf outside allowed_token_ids)
+    and `stops` [V] bool (EOS and stop_token_ids, which min_tokens holds back)."""
 
     def __init__(self, seq, vocab: int, device: torch.device):
         params = seq.params
@@ -55,6 +55,10 @@ class TokenCounts:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias.items())
             self.bias[to_device(list(ids), torch.long, device)] = to_device(list(values), torch.float32, device)
+        if params.allowed_token_ids is not None:
+            outside = torch.ones(vocab, dtype=torch.bool, device=device)
+            outside[to_device(params.allowed_token_ids, torch.long, device)] = False
+            self.bias.masked_fill_(outside, -_INF)
         self.stops = torch.zeros(vocab, dtype=torch.bool, device=device)
         stops = sorted(set(seq.eos_token_ids) | set(params.stop_token_ids))
         if stops:
@@ -101,7 +105,7 @@ class Batch:
 def processed_rows(seqs: Sequence) -> list[int]:
     """The rows that need processing (a request whose only option is a min_tokens it has reached does not)."""
     return [i for i, s in enumerate(seqs) if s.params.processes_logits and (
-        s.params.has_penalties or s.params.logit_bias or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
+        s.params.has_penalties or s.params.has_bias or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
 
 
 def process_logits(logits: torch.Tensor, seqs: Sequence, pending: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -139,6 +143,8 @@ def process_one(logits: torch.Tensor, params, prompt: list[int], output: list[in
     bias, banned, seen, counts = [0.0] * v, [False] * v, [False] * v, [0.0] * v
     for token, value in params.logit_bias.items():
         bias[token] = float(value)
+    if params.allowed_token_ids is not None:
+        bias = [b if t in params.allowed_token_ids else -_INF for t, b in enumerate(bias)]
     for token in stops if len(output) < params.min_tokens else ():
         banned[token] = True
     for token in prompt if params.repetition_penalty != 1 else ():

@@ -146,7 +146,8 @@ async def submission(engine: AsyncEngine, state: ServerState, req: ChatCompletio
     if tools and frame is None and state.options.tool_call_parser is None:
         raise bad_request("this server parses no tool calls: start it with --tool-call-parser, "
                           "or send tool_choice 'none'", "tools")
-    prompt_ids = render_prompt(engine.tokenizer, req, frame.prefix if frame else "")
+    prompt_ids = req.truncated(render_prompt(engine.tokenizer, req, frame.prefix if frame else ""),
+                               engine.engine.config.model.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = sampling_params(engine, req, prompt_ids, "messages", max_tokens, None, req.num_logprobs,
                              {"json": frame.schema} if frame else None)

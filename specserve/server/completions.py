@@ -129,7 +129,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     for i, prompt in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
         try:
-            prompt_ids = engine.engine.tokenize(prompt)
+            prompt_ids = req.truncated(engine.engine.tokenize(prompt), engine.engine.config.model.max_model_len)
         except RequestError as e:
             raise bad_request(str(e), param) from None
         max_tokens = req.max_tokens or (1 if req.max_tokens == 0 else None)  # 0: one token, dropped
@@ -138,7 +138,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         if wanted:
             params = dataclasses.replace(params, prompt_logprobs=max(wanted))
         prompts.append((prompt_ids, params))
-        echoes.append(_echo(engine.tokenizer, prompt, prompt_ids, req.max_tokens == 0, req.logprobs or 0)
+        shown = prompt if req.truncate_prompt_tokens is None else prompt_ids  # echo what the model saw
+        echoes.append(_echo(engine.tokenizer, shown, prompt_ids, req.max_tokens == 0, req.logprobs or 0)
                       if req.echo else None)
     await check_grammar(engine.tokenizer, prompts[0][1], guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)

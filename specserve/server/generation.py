@@ -105,9 +105,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
 
 
 def _check_token_ids(req: SamplingRequest, vocab_size: int) -> None:
-    """stop_token_ids and logit_bias's keys must name tokens of the vocabulary."""
+    """stop_token_ids, logit_bias's keys and allowed_token_ids must name tokens of the vocabulary."""
     for param, token_ids in (("stop_token_ids", req.stop_token_ids or []),
-                             ("logit_bias", [int(k) for k in req.logit_bias or {}])):
+                             ("logit_bias", [int(k) for k in req.logit_bias or {}]),
+                             ("allowed_token_ids", req.allowed_token_ids or [])):
         for token_id in token_ids:
             if token_id >= vocab_size:
                 raise bad_request(f"token id {token_id} in {param} is outside the vocabulary (size {vocab_size})",

@@ -1,19 +1,19 @@
 """Request bodies of the OpenAI API (and vLLM's /tokenize, /detokenize), as pydantic models (they are also
 /openapi.json's schemas; the responses' are in server/responses.py).
 
-Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON
-Schema. Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or
-refuse them under --strict-request-fields. Known options that would change the output but that specserve
-does not implement are accepted only at their neutral value (no beam search, `best_of` 1, ...), which is
-all their schema allows, and refused otherwise with a message naming the field, never silently ignored.
-Structured output (server/structured.py), one constraint a request, on both endpoints: `response_format`
-json_object / json_schema (OpenAI's); vLLM's `structured_outputs` {json | regex | choice | grammar |
-json_object}, and its older `guided_json` (a schema or its JSON text), `guided_regex`, `guided_choice`,
-`guided_grammar`; and on chat `tool_choice` "required" or a named function.
-`top_k`, `min_p`, `ignore_eos`, `stop_token_ids`, `repetition_penalty` and `min_tokens` are extra sampling
-fields, as in vLLM (with `include_stop_str_in_output`, `skip_special_tokens`, and on completions `echo`);
-`n` choices are n requests of the same prompt, for each prompt of a list. Stop strings must not be empty:
-`"stop": ""` and `"stop": [""]` are both refused.
+Requests are strictly typed: "5" is not an integer, while a whole-number float such as 9.0 is, as in JSON Schema.
+Fields the models do not know are ignored; `unknown_fields` names them so the server can warn, or refuse them
+under --strict-request-fields. Known options that would change the output but that specserve does not implement
+are accepted only at their neutral value (no beam search, `best_of` 1, ...), which is all their schema allows, and
+refused otherwise with a message naming the field, never silently ignored. Structured output
+(server/structured.py), one constraint a request, on both endpoints: `response_format` json_object / json_schema
+(OpenAI's); vLLM's `structured_outputs` {json | regex | choice | grammar | json_object}, and its older
+`guided_json` (a schema or its JSON text), `guided_regex`, `guided_choice`, `guided_grammar`; and on chat
+`tool_choice` "required" or a named function. `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
+`repetition_penalty`, `min_tokens` and `allowed_token_ids` are extra sampling fields, as in vLLM, and
+`truncate_prompt_tokens` keeps a prompt's last tokens (with `include_stop_str_in_output`, `skip_special_tokens`,
+and on completions `echo`); `n` choices are n requests of the same prompt, for each prompt of a list. Stop strings
+must not be empty: `"stop": ""` and `"stop": [""]` are both refused.
 """
 from __future__ import annotations
 
@@ -238,11 +238,29 @@ class SamplingFields(_Strict):
                                                 description="> 1 discourages repeats; the range keeps logits finite")
     min_tokens: Optional[Annotated[int, Field(ge=0, description="at most max_tokens (16 by default for "
                                                                "completions)"), BeforeValidator(_whole)]] = None
+    allowed_token_ids: Optional[list[TokenId]] = Field(None, min_length=1, description="vLLM's: only these tokens "
+                                                                                    "can be sampled")
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1), BeforeValidator(_whole)]] = Field(
+        None, description="vLLM's: keep only the prompt's last k tokens (-1: max_model_len's worth)")
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
     skip_special_tokens: bool = Field(True, description="false: special tokens (<|im_end|>, ...) appear in the text")
     priority: Int = Field(0, description="with --scheduling-policy priority: lower runs first (otherwise only 0)")
     cache_salt: Optional[NonEmpty] = Field(None, description="vLLM's: the request shares cached KV only with "
                                                              "requests of the same salt")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (max_model_len) or at least 1")
+        return v
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (all of them when unset)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len if keep == -1 else keep):]
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -266,6 +284,8 @@ class SamplingFields(_Strict):
                        skip_special_tokens=self.skip_special_tokens)
         if self.logit_bias is not None:
             options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            options["allowed_token_ids"] = list(self.allowed_token_ids)
         return options
 
 
