@@ -19,7 +19,15 @@ from specserve.engine.cuda_graph import ADAPTERS
 from specserve.engine.engine import RequestError
 from specserve.models.lora import LoRAError, random_adapter
 
-from .conftest import DEVICE, assert_pool_full, hf_greedy, make_hf_checkpoint, make_llm, mixed_prompts
+from .conftest import (
+    DEVICE,
+    assert_pool_full,
+    hf_greedy,
+    make_hf_checkpoint,
+    make_llm,
+    mixed_prompts,
+    skip_without_ranks,
+)
 from .eagle_utils import make_eagle3_checkpoint
 from .test_prompt_logprobs import EagerGraphs
 
@@ -115,6 +123,7 @@ def test_chunked_prefill_preemption_and_cached_prefixes(pairs):
 def test_two_tensor_parallel_ranks_equal_one(pairs):
     base, adapters = pairs["qwen2"]
     prompts, names = mixed_prompts(3, 256, seed=5) * 2, [None, "a", "b", "b", "a", None]
+    skip_without_ranks({"tensor_parallel_size": 2})
     one = make_llm(base, **options(adapters)).generate(prompts, greedy(), lora=names)
     llm = make_llm(base, **options(adapters, tensor_parallel_size=2, max_loras=3))
     try:
@@ -195,10 +204,10 @@ def test_adapter_graphs_equal_eager_steps(pairs):
     for llm in (eager, graphs):
         llm.engine.load_lora("c", adapters["a"][0])
     late = ["c" if n == "a" else n for n in names]
-    want = [o.token_ids for o in eager.generate(prompts, greedy(), lora=names + late)]
+    want = [o.token_ids for o in eager.generate(prompts * 2, greedy(), lora=names + late)]
     runner = graphs.engine.runner.graphs
     before = runner.adapter_replays
-    assert [o.token_ids for o in graphs.generate(prompts, greedy(), lora=names + late)] == want
+    assert [o.token_ids for o in graphs.generate(prompts * 2, greedy(), lora=names + late)] == want
     assert runner.adapter_replays > before and runner.mixed_replays > 0
 
 

@@ -10,7 +10,7 @@ from specserve import SamplingParams
 from specserve.assets import default_draft_path, default_model_path
 from specserve.engine.cuda_graph import GraphRunner
 
-from .conftest import assert_pool_full, make_llm, mixed_prompts
+from .conftest import assert_pool_full, make_llm, mixed_prompts, skip_without_ranks
 
 TOP = 3
 
@@ -59,6 +59,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logprobs_match_transformers(hf_models, prompts, want, case):
+    skip_without_ranks(CASES[case])
     llm = make_llm(hf_models["qwen3"], **CASES[case])
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=TOP if i % 3 else None)
               for i in range(len(prompts))]  # every third request without them, in the same batches
