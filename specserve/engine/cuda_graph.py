@@ -196,9 +196,9 @@ class GraphRunner:
         self.logit_rows = torch.zeros(max(self.mixed_tokens, default=0) + max_bs, **i64)
         self.lora_slots = lora_slots
         self.lora_tokens = torch.zeros(most_tokens, **i64)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # decode graphs: (logits, aux); mixed graphs: (logits, aux, hidden) (`mixed_outputs`)
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.outputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0
@@ -296,7 +296,7 @@ class GraphRunner:
         self.lora_tokens[:tokens].copy_(to_device(torch.from_numpy(slots), torch.long, self.device))
 
     @torch.inference_mode()
-    def replay(self, key: tuple[int, int], step: StepInputs, pending: torch.Tensor | None = None
+    def replay(self, key: tuple, step: StepInputs, pending: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """Fill the static inputs from step (pending: the tokens still on the device that its placeholder ids
         -1-r refer to, row r) and replay: the logits, the auxiliary hidden states and, beside them after a mixed
