@@ -233,3 +233,32 @@ def test_priority_policy_runs_the_most_urgent_first(hf_models, reference):
     assert [o.token_ids for o in llm.generate(prompts, params, priority=priorities)] == want
     with pytest.raises(RequestError, match="needs scheduling_policy 'priority'"):
         make_llm(hf_models["qwen3"]).generate(prompts[:1], params, priority=1)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_more_urgent_arrival_preempts_a_running_request(hf_models, reference, overlap):
+    """max_num_seqs 1: a request of priority 0 arriving while one of priority 3 runs takes its place at once (the
+    other is preempted and computed again later, vLLM issue 40004); one of equal priority waits. Each gives the
+    tokens it gives alone."""
+    from specserve.engine.sequence import RequestOptions
+
+    prompts, want = reference
+    llm = make_llm(hf_models["qwen3"], scheduling_policy="priority", max_num_seqs=1,
+                   disable_overlap_schedule=not overlap)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request(prompts[0], params, "low", RequestOptions(priority=3))
+    done = []
+    for _ in range(6):
+        done += [out.request_id for out in engine.step() if out.finished]
+    engine.add_request(prompts[1], params, "urgent", RequestOptions(priority=0))
+    engine.add_request(prompts[2], params, "same", RequestOptions(priority=3))
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done.append(out.request_id)
+                tokens[out.request_id] = out.token_ids
+    assert done == ["urgent", "low", "same"] and engine.scheduler.num_preemptions == 1
+    assert [tokens[r] for r in ("low", "urgent", "same")] == want[:3]
+    assert_pool_full(llm)

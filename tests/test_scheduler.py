@@ -106,6 +106,26 @@ def test_priority_preempts_the_least_urgent_and_requeues_it_by_urgency():
     assert [item.seq.request_id for item in fcfs.schedule()] == ["a"]  # first come, first served
 
 
+def test_a_strictly_more_urgent_arrival_preempts_for_a_slot_or_for_blocks():
+    s = make(max_num_seqs=2, scheduling_policy="priority")
+    for i, (name, priority) in enumerate([("a", 2), ("b", 1)]):
+        s.add(request(name, 2, priority, i))
+    run(s.schedule())
+    s.add(request("c", 2, 2, 2))  # a's priority: waits for a slot
+    assert run(s.schedule()) == [("b", 1), ("a", 1)] and s.num_preemptions == 0
+    assert not s.prefill_pending()  # c waits without a prompt step
+    s.add(request("d", 2, 0, 3))  # more urgent than a, the least urgent running one: takes its slot
+    assert s.prefill_pending()
+    assert run(s.schedule()) == [("b", 1), ("d", 2)] and s.num_preemptions == 1
+    assert [q.request_id for q in s.waiting] == ["a", "c"]
+    blocks = make(num_blocks=2, scheduling_policy="priority")
+    blocks.add(request("x", BLOCK - 1, 1, 0))
+    blocks.add(request("y", BLOCK - 1, 2, 1))
+    run(blocks.schedule())  # one block each: the pool is full
+    blocks.add(request("z", 3, 0, 2))  # a slot is free but no block: y, the least urgent, makes room
+    assert run(blocks.schedule()) == [("x", 1), ("z", 3)] and [q.request_id for q in blocks.waiting] == ["y"]
+
+
 def test_prefill_pending_names_the_steps_that_will_compute_prompt_tokens():
     """What the adaptive controller decodes plain beside: an admissible waiting request, or a running one
     whose prompt is still being chunked in."""

@@ -23,8 +23,10 @@ class Scheduler:
     in per-request device buffers, from admission until it finishes or is preempted.
 
     Under the priority policy both queues are kept in order of (priority, arrival): the most urgent run first
-    and are admitted first, and the preempted one is the least urgent running. A waiting request never
-    preempts a running one (as in vLLM).
+    and are admitted first, and the preempted one is the least urgent running. A waiting request of strictly
+    higher priority than the least urgent running one, that cannot be admitted (max_num_seqs reached, or too few
+    free blocks for its first chunk), preempts it first (`_make_room`; vLLM issue 40004): equal priorities never
+    preempt each other, so no two requests take turns.
     """
 
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
@@ -55,7 +57,7 @@ class Scheduler:
     def prefill_pending(self) -> bool:
         """Will the next step compute prompt tokens: a waiting request that may be admitted, or a running
         one with more than its next token to compute (a chunked prompt, a preempted request's recompute)?"""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self.waiting and (len(self.running) < self.config.max_num_seqs or self._preempts()):
             return True
         return any(seq.num_uncomputed_tokens > 1 for seq in self.running)
 
@@ -70,6 +72,7 @@ class Scheduler:
 
     def schedule(self, decode_shape: Callable[[Sequence], tuple[int, int]] = lambda seq: (1, 1)
                  ) -> list[ScheduledSeq]:
+        self._make_room()
         budget = self.config.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
@@ -108,6 +111,26 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _make_room(self) -> None:
+        """Priority policy: preempt the least urgent running requests while the most urgent waiting one has a
+        strictly higher priority and cannot be admitted."""
+        while self._preempts():
+            self._preempt(self.running.pop())
+
+    def _preempts(self) -> bool:
+        """Priority policy: is the most urgent waiting request strictly more urgent than the least urgent running
+        one, and not admissible?"""
+        return (self.by_priority and bool(self.waiting) and bool(self.running)
+                and self.waiting[0].priority < self.running[-1].priority and not self._admissible(self.waiting[0]))
+
+    def _admissible(self, seq: Sequence) -> bool:
+        """Is there a request slot, and are there blocks for seq's first chunk (a full step's budget at most)?"""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        hit = self.blocks.match(seq)
+        n = seq.num_tokens - hit.num_blocks * self.blocks.block_size
+        return self.blocks.can_admit(seq, hit, min(n, self.config.max_num_batched_tokens))
 
     def _preempt(self, seq: Sequence) -> None:
         self._release_index(seq)
