@@ -5,8 +5,9 @@
 One engine serves the model (the shipped target by default) with a random adapter of the given rank on every
 projection (q/k/v/o, gate/up/down; `models/lora.random_adapter`). Per round and batch size, interleaved: the
 wall seconds per step of steady greedy decoding of `batch` requests on the base model, all on the adapter, and
-half and half (two groups of rows, one delta each in every adapted layer). On CUDA the base steps replay CUDA
-graphs and the adapter steps run eagerly, so the ratio there includes the graphs' gain.
+half and half (rows on the adapter, rows on the base model). Every adapted layer adds the deltas of all
+`--max-loras` slots with a mask (layers/lora.py). On CUDA every step replays a CUDA graph (adapter steps their
+adapter twins); `--enforce-eager` runs them all eagerly.
 """
 from __future__ import annotations
 
@@ -51,11 +52,14 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-loras", type=int, default=1, help="adapter slots every adapted layer computes")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--out", default=None, help="write the results here as JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         adapter = random_adapter(f"{tmp}/a", args.model, TARGETS, args.rank, seed=0, scale=0.02)
         engine = LLMEngine(EngineConfig.from_options(model=args.model, device=args.device, lora_modules=f"a={adapter}",
+                                                     max_loras=args.max_loras, enforce_eager=args.enforce_eager,
                                                      speculative_algorithm="none"))
         rows = []
         for r in range(args.rounds):

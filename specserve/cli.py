@@ -128,6 +128,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = server_options(args)
     config = EngineConfig.from_options(**engine_options(args))
+    if options.allow_runtime_lora_updating and not config.lora.enabled:
+        raise ConfigError("--allow-runtime-lora-updating needs room for adapters: --enable-lora (with --max-loras "
+                          "and --max-lora-rank as needed) or --lora-modules")
     resolve_config(config)  # a missing model folder or a bad option fails here, before the server
     code = launched_worker(config)
     if code is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Optional
@@ -37,11 +38,28 @@ class ModelConfig:
     generation_config: str = _opt("auto", "where sampling defaults and end tokens come from: 'auto' = the model "
                                           "folder's generation_config.json (as vLLM), 'vllm' = none, or a folder "
                                           "holding one")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA options. Each targeted layer reserves room for max_loras adapters of up to max_lora_rank at
+    start-up, so that loading one moves no tensor and CUDA graphs serve adapter rows."""
+
     lora_modules: Optional[str] = _opt(None, "LoRA adapters (PEFT folders) served beside the model, as name=folder, "
                                              "comma-separated; a request names one as its model", many=True)
+    enable_lora: Optional[bool] = _opt(None, "reserve room for adapters (default: on when lora_modules names any; "
+                                             "needed to load adapters at run time)")
+    max_loras: Optional[int] = _opt(None, "adapters served at once (default: as many as lora_modules names, at "
+                                          "least 1)")
+    max_lora_rank: Optional[int] = _opt(None, "largest adapter rank (default: the largest of lora_modules', at "
+                                              "least 16)")
 
     @property
-    def loras(self) -> dict[str, str]:
+    def enabled(self) -> bool:
+        return bool(self.enable_lora) if self.enable_lora is not None else bool(self.modules)
+
+    @property
+    def modules(self) -> dict[str, str]:
         """The LoRA adapters: name -> folder, in the order given (slot i + 1 is the i-th)."""
         out: dict[str, str] = {}
         for entry in (self.lora_modules or "").split(","):
@@ -55,6 +73,33 @@ class ModelConfig:
                 raise ConfigError(f"lora_modules names {name!r} twice")
             out[name] = folder
         return out
+
+    def validate(self) -> None:
+        modules = self.modules
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"option {name} must be >= 1, got {value}")
+        if self.enable_lora is False and modules:
+            raise ConfigError("lora_modules given with enable_lora off")
+        if self.max_loras is not None and len(modules) > self.max_loras:
+            raise ConfigError(f"lora_modules names {len(modules)} adapters, more than max_loras {self.max_loras}")
+
+    def resolved(self) -> "LoRAConfig":
+        """max_loras and max_lora_rank filled in from the adapters named (their folders must exist)."""
+        if not self.enabled:
+            return self
+        ranks = [16]
+        for name, folder in self.modules.items():
+            path = os.path.join(folder, "adapter_config.json")
+            if not os.path.isfile(path):
+                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is no adapter folder (no adapter_config.json)")
+            with open(path) as f:
+                rank = json.load(f).get("r")
+            if isinstance(rank, int):
+                ranks.append(rank)
+        return replace(self, enable_lora=True, max_loras=self.max_loras or max(1, len(self.modules)),
+                       max_lora_rank=self.max_lora_rank or max(ranks))
 
 
 @dataclass(frozen=True)
@@ -195,6 +240,7 @@ SECTIONS = {
     "execution": ExecutionConfig,
     "parallel": ParallelConfig,
     "speculative": SpeculativeConfig,
+    "lora": LoRAConfig,
 }
 
 
@@ -268,6 +314,7 @@ class EngineConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":
@@ -309,7 +356,7 @@ class EngineConfig:
         self.speculative.validate()
         if self.speculative.speculative_draft_model_path and not self.speculative.enabled:
             raise ConfigError("speculative_draft_model_path given without speculative_algorithm='EAGLE3'")
-        _ = self.model.loras  # its parse checks the entries
+        self.lora.validate()
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
 
@@ -349,9 +396,6 @@ class EngineConfig:
         if generation not in ("auto", "vllm") and not os.path.isfile(os.path.join(generation, GENERATION_CONFIG)):
             raise ConfigError(f"generation_config {generation!r} is not a folder holding {GENERATION_CONFIG} "
                               f"(or 'auto', 'vllm')")
-        for name, folder in m.loras.items():
-            if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-                raise ConfigError(f"LoRA adapter {name!r}: {folder!r} is no adapter folder (no adapter_config.json)")
         model_cfg = replace(m, model=model, tokenizer=m.tokenizer or model, device=device, dtype=dtype,
                             max_model_len=max_len, generation_config=model if generation == "auto" else generation)
         spec = self.speculative
@@ -366,7 +410,7 @@ class EngineConfig:
             spec = replace(spec.resolved(device), speculative_draft_model_path=draft)
         elif spec.speculative_synthetic_acceptance_rates is not None:
             raise ConfigError("speculative_synthetic_acceptance_rates given without speculative decoding")
-        return replace(self, model=model_cfg, execution=execution, speculative=spec)
+        return replace(self, model=model_cfg, execution=execution, speculative=spec, lora=self.lora.resolved())
 
     def flat(self) -> dict[str, Any]:
         """All options by flat name (for /server_info and logs)."""

@@ -34,6 +34,13 @@ def pytest_configure(config):
     DEVICE["name"] = config.getoption("--device")
 
 
+def skip_without_ranks(options: dict) -> None:
+    """Skip a test whose engine options ask for more tensor-parallel ranks than the device under test has GPUs."""
+    ranks = options.get("tensor_parallel_size", 1)
+    if DEVICE["name"] == "cuda" and torch.cuda.device_count() < ranks:
+        pytest.skip(f"{ranks} tensor-parallel ranks need {ranks} GPUs")
+
+
 def make_llm(model: str, **options):
     """An LLM on the device under test, computing in fp32 so it can match the fp32 oracle."""
     from specserve import LLM

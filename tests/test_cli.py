@@ -83,6 +83,11 @@ def test_missing_model_folder_is_one_line_before_the_server_starts(tmp_path):
     assert missing in one_line_error(result)
 
 
+def test_runtime_lora_updating_needs_room_for_adapters(model):
+    line = one_line_error(run_cli("serve", "--model", model, "--port", "0", "--allow-runtime-lora-updating"))
+    assert "--allow-runtime-lora-updating needs room for adapters: --enable-lora" in line
+
+
 def test_busy_port_names_the_port_and_the_flag(model):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

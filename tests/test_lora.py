@@ -15,10 +15,19 @@ from safetensors.torch import load_file, save_file
 
 from specserve import SamplingParams
 from specserve.config import ConfigError
+from specserve.engine.cuda_graph import ADAPTERS
 from specserve.engine.engine import RequestError
 from specserve.models.lora import LoRAError, random_adapter
 
-from .conftest import assert_pool_full, hf_greedy, make_hf_checkpoint, make_llm, mixed_prompts
+from .conftest import (
+    DEVICE,
+    assert_pool_full,
+    hf_greedy,
+    make_hf_checkpoint,
+    make_llm,
+    mixed_prompts,
+    skip_without_ranks,
+)
 from .eagle_utils import make_eagle3_checkpoint
 from .test_prompt_logprobs import EagerGraphs
 
@@ -114,8 +123,9 @@ def test_chunked_prefill_preemption_and_cached_prefixes(pairs):
 def test_two_tensor_parallel_ranks_equal_one(pairs):
     base, adapters = pairs["qwen2"]
     prompts, names = mixed_prompts(3, 256, seed=5) * 2, [None, "a", "b", "b", "a", None]
+    skip_without_ranks({"tensor_parallel_size": 2})
     one = make_llm(base, **options(adapters)).generate(prompts, greedy(), lora=names)
-    llm = make_llm(base, **options(adapters, tensor_parallel_size=2))
+    llm = make_llm(base, **options(adapters, tensor_parallel_size=2, max_loras=3))
     try:
         two = llm.generate(prompts, greedy(), lora=names)
         llm.engine.load_lora("c", adapters["b"][0])  # at run time, on both ranks
@@ -156,23 +166,49 @@ def test_bad_adapters_and_names_are_refused(pairs, tmp_path):
 
 
 class LoRAEagerGraphs(EagerGraphs):
+    lora_slots = 2
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.adapter_keys = []
+
     def replay(self, key, step, pending):
-        assert not step.loras, "a step with LoRA rows replayed a graph"
+        assert (key[-1] == ADAPTERS) == bool(step.loras), (key, step.loras)
+        self.adapter_keys += [key] if step.loras else []
         return super().replay(key, step, pending)
 
 
-def test_steps_with_adapter_rows_replay_no_graph(pairs):
+def test_steps_with_adapter_rows_take_the_adapter_graphs(pairs):
     """The runner's graph branch on the CPU (a stand-in graph runner, as in test_prompt_logprobs): steps with
-    adapter rows run eagerly, base-only steps replay; tokens equal a run without graphs."""
+    adapter rows take the graphs keyed ADAPTERS (decode and mixed), base-only steps the others; tokens equal a run
+    without graphs. (tests: --device cuda runs the real graphs.)"""
     base, adapters = pairs["llama"]
     prompts, names = mixed_prompts(4, 256, seed=7), ["a", None, "b", None]
     params = [SamplingParams(temperature=0, max_tokens=8 if name else 24, ignore_eos=True) for name in names]
     llm = make_llm(base, **options(adapters))
     want = llm.generate(prompts, params, lora=names)
-    llm.engine.runner.graphs = LoRAEagerGraphs(llm.engine.runner)
+    llm.engine.runner.graphs = graphs = LoRAEagerGraphs(llm.engine.runner)
     got = llm.generate(prompts, params, lora=names)
-    assert llm.engine.runner.graphs.replays > 0
+    assert graphs.replays > len(graphs.adapter_keys) > 0 and {k[0] == 0 for k in graphs.adapter_keys} == {0, 1}
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+@pytest.mark.skipif(DEVICE["name"] != "cuda", reason="CUDA graphs")
+def test_adapter_graphs_equal_eager_steps(pairs):
+    """On CUDA: the adapter twins of the decode and mixed graphs give the eager steps' tokens, with adapters loaded
+    before and after the capture."""
+    base, adapters = pairs["llama"]
+    prompts, names = mixed_prompts(6, 256, seed=9), ["a", None, "b", "b", None, "a"]
+    eager = make_llm(base, **options(adapters, enforce_eager=True, max_loras=3))
+    graphs = make_llm(base, **options(adapters, max_loras=3))
+    for llm in (eager, graphs):
+        llm.engine.load_lora("c", adapters["a"][0])
+    late = ["c" if n == "a" else n for n in names]
+    want = [o.token_ids for o in eager.generate(prompts * 2, greedy(), lora=names + late)]
+    runner = graphs.engine.runner.graphs
+    before = runner.adapter_replays
+    assert [o.token_ids for o in graphs.generate(prompts * 2, greedy(), lora=names + late)] == want
+    assert runner.adapter_replays > before and runner.mixed_replays > 0
 
 
 def test_the_server_serves_adapters_by_model_name(tmp_path):
@@ -194,7 +230,7 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
     prompt, messages = "def fibonacci(n):", [{"role": "user", "content": "Sort a list."}]
     for srv in serving(tmp_path / "server.log", "--model", base, "--lora-modules", *modules,
                        "--speculative-algorithm", "none", "--scheduling-policy", "priority",
-                       "--allow-runtime-lora-updating"):
+                       "--allow-runtime-lora-updating", "--max-loras", "4"):
         client = srv.client()
         cards = {m.id: m for m in client.models.list().data}
         assert set(cards) == {MODEL, "a", "b"} and cards["a"].model_extra["parent"] == MODEL
@@ -215,7 +251,7 @@ def test_the_server_serves_adapters_by_model_name(tmp_path):
                                        extra_body={"ignore_eos": True}) as stream:
             next(iter(stream))  # running now: /metrics names its adapter (vLLM's lora_requests_info)
             text = httpx.get(srv.url + "/metrics", timeout=30).text
-        assert 'max_lora="2",running_lora_adapters="b",waiting_lora_adapters=""' in text, text
+        assert 'max_lora="4",running_lora_adapters="b",waiting_lora_adapters=""' in text, text
         [want] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora="a")
         r = httpx.post(srv.url + "/generate", json={"text": prompt, "lora_path": "a", "sampling_params": {
             "temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}, timeout=60)
@@ -258,7 +294,7 @@ def test_adapters_load_and_unload_at_run_time(pairs, tmp_path):
     prompts = mixed_prompts(3, 256, seed=8, lo=40, hi=60)
     static = make_llm(base, **options(adapters))
     want = {name: [o.token_ids for o in static.generate(prompts, greedy(), lora=name)] for name in ("a", "b")}
-    llm = make_llm(base, speculative_algorithm="none")
+    llm = make_llm(base, speculative_algorithm="none", enable_lora=True)
     engine = llm.engine
     for name in ("a", "b"):
         engine.load_lora("x", adapters[name][0])
@@ -277,7 +313,8 @@ def test_adapters_load_and_unload_at_run_time(pairs, tmp_path):
     head = make_adapter(str(tmp_path / "late-head"), base, ATTN + ("lm_head",), 4, seed=1)
     with pytest.raises(LoRAError, match="lm_head"):
         engine.load_lora("h", head)
-    assert not engine.loras and all(not getattr(m, "loras", None) for m in engine.runner.model.modules())
+    stacks = [m.lora for m in engine.runner.model.modules() if getattr(m, "lora", None) is not None]
+    assert not engine.loras and stacks and not any(s.a.any() or s.bt.any() for s in stacks)
     assert_pool_full(llm)
 
 
@@ -297,3 +334,24 @@ def test_generate_command_runs_an_adapter(tmp_path, capsys):
     assert main(["generate", "--model", base, "--lora-modules", f"a={folder}", "--lora", "a", "--prompt", prompt,
                  "--max-tokens", "12", "--ignore-eos", "--speculative-algorithm", "none", "--dtype", "float32"]) == 0
     assert capsys.readouterr().out == want.text + "\n"
+
+
+def test_room_for_adapters_is_reserved_and_its_limits_named(pairs, tmp_path):
+    """Adapters load only into room reserved at start-up (vLLM's enable_lora, max_loras, max_lora_rank): beyond it
+    a load is refused with the option to change, and the engine keeps serving."""
+    base, adapters = pairs["llama"]
+    llm = make_llm(base, speculative_algorithm="none")
+    with pytest.raises(RequestError, match="enable_lora"):
+        llm.engine.load_lora("a", adapters["a"][0])
+    llm = make_llm(base, speculative_algorithm="none", enable_lora=True, max_lora_rank=4)
+    with pytest.raises(LoRAError, match="rank 8, more than max_lora_rank 4"):
+        llm.engine.load_lora("b", adapters["b"][0])  # rank 8
+    llm.engine.load_lora("a", adapters["a"][0])  # rank 4 fits
+    with pytest.raises(RequestError, match="as many as max_loras"):
+        llm.engine.load_lora("a2", adapters["a"][0])
+    assert llm.generate([[5, 6, 7]], greedy(), lora="a")[0].token_ids
+    with pytest.raises(ConfigError, match="more than max_loras 1"):
+        make_llm(base, **options(adapters, max_loras=1))
+    big = make_adapter(str(tmp_path / "big"), base, ATTN, 24, seed=4)
+    llm = make_llm(base, lora_modules=f"big={big}", speculative_algorithm="none")  # the rank room follows it
+    assert llm.engine.config.lora.max_lora_rank == 24 and llm.engine.config.lora.max_loras == 1

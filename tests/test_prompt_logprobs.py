@@ -10,7 +10,7 @@ from specserve import SamplingParams
 from specserve.assets import default_draft_path, default_model_path
 from specserve.engine.cuda_graph import GraphRunner
 
-from .conftest import assert_pool_full, make_llm, mixed_prompts
+from .conftest import assert_pool_full, make_llm, mixed_prompts, skip_without_ranks
 
 TOP = 3
 
@@ -59,6 +59,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_logprobs_match_transformers(hf_models, prompts, want, case):
+    skip_without_ranks(CASES[case])
     llm = make_llm(hf_models["qwen3"], **CASES[case])
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=TOP if i % 3 else None)
               for i in range(len(prompts))]  # every third request without them, in the same batches
@@ -112,9 +113,9 @@ class EagerGraphs:
     decode graphs of 1-8 rows and mixed graphs of up to 512 tokens, each replayed eagerly, so the runner's
     graph branch runs on the CPU too."""
 
-    follow = None
+    follow, lora_slots = None, 0
     sizes, mixed_tokens, max_bs = {1: [1, 2, 4, 8]}, (64, 128, 256, 512), 8
-    graph_for, _mixed_for = GraphRunner.graph_for, GraphRunner._mixed_for
+    graph_for, _plain_for, _mixed_for = GraphRunner.graph_for, GraphRunner._plain_for, GraphRunner._mixed_for
 
     def __init__(self, runner):
         self.runner, self.replays, self.mixed_replays = runner, 0, 0

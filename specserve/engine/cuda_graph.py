@@ -15,6 +15,10 @@ tiles over the rows are refilled before each replay (`AttentionBackend.mixed_til
 costs one host launch per kernel, which on a small model is most of the step (session 38: on the H200 the
 shipped pair's speculative steps that took a prompt ran eagerly at ~6.6 ms, and chain-3 read 0.49x plain at
 C = 10).
+
+With LoRA room reserved (layers/lora.py), each graph has a twin keyed (..., ADAPTERS) whose layers add the
+adapters' deltas, each token's slot read from a static buffer: steps with adapter rows replay it, the others
+keep the graph without (and its fused few-row path).
 """
 from __future__ import annotations
 
@@ -28,10 +32,12 @@ import numpy as np
 import torch
 
 from ..device import to_device
-from ..layers import triton_ops
+from ..layers import lora, triton_ops
 from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
+
+ADAPTERS = "lora"  # the last element of the key of a graph that adds LoRA adapters
 
 # token counts of the mixed graphs (each at most the step's token budget): above 128 tokens a step may be bound by
 # its GEMMs rather than its launches, so padding stays under a quarter of its tokens there
@@ -151,9 +157,11 @@ class GraphRunner:
     def __init__(self, model, backend: AttentionBackend, kv_cache: torch.Tensor, block_size: int, max_bs: int,
                  max_blocks: int, tokens_per_seq: list[int], aux_layers: tuple[int, ...], group: int,
                  scratch_slot: int, device: torch.device, follow=None, pad_index: int = 0,
-                 max_graph_tokens: int = 2048, mixed_tokens: tuple[int, ...] = ()):
+                 max_graph_tokens: int = 2048, mixed_tokens: tuple[int, ...] = (), lora_slots: int = 0):
         """backend: an attention backend with `graphs` (its `static_metadata` over the buffers below);
         mixed_tokens: the token counts of the mixed graphs (none: steps with prompt chunks run eagerly);
+        lora_slots: the model's LoRA slots (layers/lora.py); when nonzero every graph has a twin, keyed
+        (..., ADAPTERS), that adds each row's adapter (`lora_tokens`: each token's slot) for the steps that use one;
         follow: a Follower (speculative/proposer.py) that the plain-decode graphs (one token per sequence)
         run, beside the model on a second stream and after it on their auxiliary hidden states, which they
         then do not output; pad_index: the request index its padding rows get; kv_cache: the model's
@@ -186,13 +194,16 @@ class GraphRunner:
         self.mixed_q_lens = torch.zeros(max_bs + 1, **i32)
         # mixed graphs: each sampling row's token (the graph computes the logits of the first min(tokens, max_bs))
         self.logit_rows = torch.zeros(max(self.mixed_tokens, default=0) + max_bs, **i64)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.lora_slots = lora_slots
+        self.lora_tokens = torch.zeros(most_tokens, **i64)
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         # decode graphs: (logits, aux); mixed graphs: (logits, aux, hidden) (`mixed_outputs`)
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        self.outputs: dict[tuple, tuple[torch.Tensor, ...]] = {}
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0
         self.mixed_replays = 0
+        self.adapter_replays = 0
 
     # ---- capture ------------------------------------------------------------------------------
     def _meta(self, bs: int, q: int):
@@ -206,7 +217,11 @@ class GraphRunner:
                                             self.tree_bits[:tokens], self.tree_lens, tokens, self.group,
                                             self.block_size, self.kv_cache, tiles=self.mixed.view(tokens))
 
-    def _run(self, bs: int, q: int):
+    def _run(self, bs: int, q: int, adapters: bool = False):
+        if adapters:
+            rows = self.lora_tokens[:q if bs == 0 else bs * q]
+            with lora.applied(lora.LoRABatch(lora.slot_mask(rows, self.lora_slots))):
+                return self._run(bs, q)
         if bs == 0:  # a mixed graph of q tokens
             hidden, aux = self.model(self.ids[:q], self.positions[:q], self._mixed_meta(q), self.aux_layers)
             aux = torch.cat(aux, dim=-1) if aux else None  # [q, aux_dim]
@@ -240,6 +255,8 @@ class GraphRunner:
         self.seq_lens.zero_()
         keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
         keys += [(0, tokens) for tokens in reversed(self.mixed_tokens)]
+        if self.lora_slots:
+            keys += [(*key, ADAPTERS) for key in keys]
         self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
@@ -249,17 +266,22 @@ class GraphRunner:
         return self.capture_seconds
 
     # ---- replay -------------------------------------------------------------------------------
-    def graph_for(self, step: StepInputs) -> tuple[int, int] | None:
+    def graph_for(self, step: StepInputs) -> tuple | None:
         """The key of the graph that replays this step: (batch size, tokens per sequence), or (0, tokens) for a
-        mixed graph; None: it runs eagerly (steps with prompt-logprob rows, or LoRA adapters)."""
-        if step.prompt_rows or step.loras:
+        mixed graph, with ADAPTERS after them when rows use LoRA adapters; None: it runs eagerly (steps with
+        prompt-logprob rows, or adapters without their graphs)."""
+        if step.prompt_rows or (step.loras and not self.lora_slots):
             return None
+        key = self._plain_for(step) or self._mixed_for(step)
+        return (*key, ADAPTERS) if key is not None and step.loras else key
+
+    def _plain_for(self, step: StepInputs) -> tuple[int, int] | None:
         q = step.q_lens[0]
         if q in self.sizes and all(n == q for n in step.q_lens) and len(step.logit_index) == len(step.ids):
             fits = [b for b in self.sizes[q] if b >= len(step.q_lens)]
             if fits:
                 return fits[0], q
-        return self._mixed_for(step)
+        return None
 
     def _mixed_for(self, step: StepInputs) -> tuple[int, int] | None:
         fits = [t for t in self.mixed_tokens if t >= len(step.ids)]
@@ -267,16 +289,25 @@ class GraphRunner:
             return None
         return 0, fits[0]
 
+    def _fill_adapters(self, step: StepInputs, tokens: int) -> None:
+        """Each of the graph's `tokens` rows' adapter slot (0 past the step's)."""
+        slots = np.zeros(tokens, dtype=np.int64)
+        slots[:len(step.ids)] = lora.token_slots(step.loras, step.q_lens)
+        self.lora_tokens[:tokens].copy_(to_device(torch.from_numpy(slots), torch.long, self.device))
+
     @torch.inference_mode()
-    def replay(self, key: tuple[int, int], step: StepInputs, pending: torch.Tensor | None = None
+    def replay(self, key: tuple, step: StepInputs, pending: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
         """Fill the static inputs from step (pending: the tokens still on the device that its placeholder ids
         -1-r refer to, row r) and replay: the logits, the auxiliary hidden states and, beside them after a mixed
         graph, the step's (ids, positions, slots). A decode graph's inputs travel as one copy and one launch
         (`triton_ops.fill_step`), where they took 3 copies and 10-16 small kernels (session 37)."""
-        bs, q = key
+        bs, q = key[:2]
+        if len(key) > 2:
+            self._fill_adapters(step, q if bs == 0 else bs * q)
+            self.adapter_replays += 1
         if bs == 0:
-            return self._replay_mixed(q, step, pending)
+            return self._replay_mixed(key, step, pending)
         real, n = len(step.q_lens), len(step.ids)
         follows = q == 1 and self.follow is not None
         trees = any(t is not None for t in step.trees)
@@ -293,10 +324,9 @@ class GraphRunner:
         # the proposer keeps aux rows past this step and the next replay overwrites the static output
         return logits[:n], (aux[:n].clone() if aux is not None else None), None
 
-    def _replay_mixed(self, tokens: int, step: StepInputs, pending) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                              tuple | None]:
-        self.fill_mixed(tokens, step, pending)
-        key = (0, tokens)
+    def _replay_mixed(self, key: tuple, step: StepInputs, pending) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         tuple | None]:
+        self.fill_mixed(key[1], step, pending)
         self.graphs[key].replay()
         self.replays += 1
         self.mixed_replays += 1

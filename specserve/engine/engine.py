@@ -208,7 +208,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._lora_loads = itertools.count()
         self.loras = {name: LoadedLoRA(slot, folder, next(self._lora_loads))  # the adapters served, by name
-                      for slot, (name, folder) in enumerate(config.model.loras.items(), start=1)}
+                      for slot, (name, folder) in enumerate(config.lora.modules.items(), start=1)}
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests were added in
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
@@ -266,8 +266,14 @@ class LLMEngine:
     def load_lora(self, name: str, folder: str) -> None:
         """Serve the PEFT adapter in `folder` as `name` from now on (on every rank). RequestError for a name in
         use; LoRAError for an adapter that cannot load (nothing changes then)."""
+        lora = self.config.lora
+        if not lora.enabled:
+            raise RequestError("LoRA is off: start the engine with enable_lora (--enable-lora) to load adapters")
         if name in self.loras:
             raise RequestError(f"a LoRA adapter named {name!r} is loaded already")
+        if len(self.loras) >= lora.max_loras:
+            raise RequestError(f"{len(self.loras)} LoRA adapters are loaded, as many as max_loras: unload one first "
+                               f"(or start with a larger --max-loras)")
         slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
         self.runner.load_adapter(folder, slot)
         self.loras[name] = LoadedLoRA(slot, folder, next(self._lora_loads))

@@ -15,12 +15,13 @@ from ..config import EngineConfig
 from ..device import to_device
 from ..layers import lora
 from ..layers.attention import attention_backend
-from ..layers.linear import LinearBase
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
 from ..models import ArchConfig, load_model
+from ..models.lora import clear as clear_lora
 from ..models.lora import load_adapter
+from ..models.lora import reserve as reserve_lora
 from .cuda_graph import GraphRunner, StepInputs, mixed_token_counts, resolve_ids
 from .distributed import Ranks
 from .sequence import ScheduledSeq, Sequence, TokenLogprob
@@ -93,8 +94,10 @@ class ModelRunner:
         with building(ranks.tp if ranks else WHOLE):
             self.model = load_model(config.model.model, self.dtype, self.device, config.model.load_format,
                                     config.model.seed)
-        for slot, folder in enumerate(config.model.loras.values(), start=1):
-            load_adapter(self.model, folder, slot)
+        if config.lora.enabled:
+            reserve_lora(self.model, config.lora.max_loras, config.lora.max_lora_rank)
+        for slot, folder in enumerate(config.lora.modules.values(), start=1):
+            load_adapter(self.model, folder, slot, config.lora.max_lora_rank)
         self.num_blocks = ranks.min(self._kv_blocks()) if ranks else self._kv_blocks()
         if config.speculative.enabled:  # the draft head runs on rank 0 alone
             embedding = self.model.embedding().whole()
@@ -151,15 +154,13 @@ class ModelRunner:
             self.ranks.send(("_add_adapter", (folder, slot)))
 
     def _add_adapter(self, folder: str, slot: int) -> None:
-        load_adapter(self.model, folder, slot)
+        load_adapter(self.model, folder, slot, self.config.lora.max_lora_rank)
 
     def unload_adapter(self, slot: int) -> None:
         self._everywhere("_drop_adapter", slot)
 
     def _drop_adapter(self, slot: int) -> None:
-        for module in self.model.modules():
-            if isinstance(module, LinearBase):
-                module.loras.pop(slot, None)
+        clear_lora(self.model, slot)
 
     def capture(self, aux_layers: tuple[int, ...], tokens_per_seq: list[int]) -> None:
         ex = self.config.execution
@@ -170,7 +171,8 @@ class ModelRunner:
         self.graphs = GraphRunner(self.model, self.backend, self.kv_cache, self.block_size, ex.cuda_graph_max_bs,
                                   max_blocks, tokens_per_seq, aux_layers, self.group, self.scratch_slot, self.device,
                                   follow, self.config.scheduler.max_num_seqs,
-                                  mixed_tokens=mixed_token_counts(cap))
+                                  mixed_tokens=mixed_token_counts(cap),
+                                  lora_slots=self.config.lora.max_loras if self.config.lora.enabled else 0)
         self.graphs.capture()
 
     # ---- one step -----------------------------------------------------------------------------
@@ -311,7 +313,8 @@ class ModelRunner:
                                      self.group, trees, self.kv_cache)
         aux_layers = self._own_aux(aux_layers)
         ids, positions = resolve_ids(self._ids(step.ids), self.pending_tokens), self._ids(step.positions)
-        with lora.applied(lora.batch_of(step.loras, step.q_lens, self.device) if step.loras else None):
+        adapters = lora.batch_of(step.loras, step.q_lens, self.config.lora.max_loras, self.device)
+        with lora.applied(adapters):
             hidden, aux = self.model(ids, positions, meta, aux_layers)
         logits = self.model.compute_logits(hidden[self._ids(step.logit_index)])
         prompt = self.prompt_logprobs(hidden, step) if step.prompt_rows else None

@@ -6,13 +6,15 @@ tensor's slice for this rank into it, checking shapes; the model loader calls it
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import triton_gemv
-from .lora import LoRAWeights, add_lora
+from .lora import LoRAStack, add_lora
 from .parallel import current
 
 
@@ -108,10 +110,17 @@ class LinearBase(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.register_buffer("weight_scale", None, persistent=False)  # [out] once quantize_int8 ran
-        self.loras: dict[int, LoRAWeights] = {}  # adapter slot -> its matrices (layers/lora.py)
+        self.lora: Optional[LoRAStack] = None  # room for LoRA adapters, once reserved (layers/lora.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_lora(self.loras, x, linear(x, self.weight, self.bias, self.weight_scale))
+        return add_lora(self.lora, x, linear(x, self.weight, self.bias, self.weight_scale))
+
+    parts = 1  # the projections fused in the weight (each may carry its own LoRA matrices)
+
+    def reserve_lora(self, slots: int, rank: int) -> None:
+        """Room for `slots` adapters of rank up to `rank` on each fused part."""
+        out, inp = self.weight.shape
+        self.lora = LoRAStack(slots, rank * self.parts, inp, out, self.weight.dtype, self.weight.device)
 
     def quantize_int8(self) -> None:
         """Keep the weight as int8 rows, each with one bfloat16 scale (symmetric, its largest magnitude to
@@ -156,6 +165,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False):
         self.out_sizes = out_sizes
+        self.parts = len(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias)
 
     def load(self, param, loaded, shard_id: int):
@@ -172,6 +182,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one matrix. Query heads split across ranks; KV heads split too, or
     replicated when there are fewer KV heads than ranks."""
+
+    parts = 3
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         world = current().size
@@ -232,6 +244,6 @@ class RowParallelLinear(LinearBase):
         copy_checked(param, loaded, "row-parallel bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = add_lora(self.loras, x, linear(x, self.weight, scale=self.weight_scale))  # partial sums, deltas too
+        y = add_lora(self.lora, x, linear(x, self.weight, scale=self.weight_scale))  # partial sums, deltas too
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from ..layers.linear import LinearBase, RowParallelLinear
-from ..layers.lora import LoRAWeights
 
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -27,6 +26,7 @@ NEUTRAL = {"use_dora": (False, None), "bias": ("none", None), "modules_to_save":
            "rank_pattern": ({}, None), "alpha_pattern": ({}, None), "layers_to_transform": (None, []),
            "fan_in_fan_out": (False, None), "lora_bias": (False, None)}
 NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<which>A|B)(\.default)?\.weight$")
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the layers adapters may target (fused names)
 
 
 class LoRAError(ValueError):
@@ -60,8 +60,23 @@ def adapter_scale(config: dict, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def load_adapter(model: nn.Module, folder: str, slot: int) -> None:
-    """Put the adapter in `folder` into the model's layers as slot `slot`, sharded as each layer is."""
+def reserve(model: nn.Module, slots: int, rank: int) -> None:
+    """Room in every layer adapters may target for `slots` adapters of rank up to `rank`."""
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase) and name.rsplit(".", 1)[-1] in TARGETS:
+            module.reserve_lora(slots, rank)
+
+
+def clear(model: nn.Module, slot: int) -> None:
+    """Remove the adapter in `slot` from every layer."""
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.lora is not None:
+            module.lora.clear(slot)
+
+
+def load_adapter(model: nn.Module, folder: str, slot: int, max_rank: int) -> None:
+    """Put the adapter in `folder` into the model's layers as slot `slot`, sharded as each layer is (room
+    reserved: `reserve`)."""
     config, tensors = read_adapter(folder)
     parts: dict[str, dict] = defaultdict(dict)  # our module -> shard id -> {"A": .., "B": ..}
     packed = model.packed_modules
@@ -81,16 +96,18 @@ def load_adapter(model: nn.Module, folder: str, slot: int) -> None:
             layer = model.get_submodule(module)
         except AttributeError:
             layer = None
-        if not isinstance(layer, LinearBase):
+        if not isinstance(layer, LinearBase) or layer.lora is None:
             raise LoRAError(f"{folder}: LoRA on {module} is not supported (only the attention and dense MLP "
                             f"projections of this model)")
-        weights[layer] = _layer_weights(layer, matrices, config, folder, module)
-    for layer, w in weights.items():
-        layer.loras[slot] = w
+        weights[layer] = _layer_weights(layer, matrices, config, folder, module, max_rank)
+    for layer, (a, b) in weights.items():
+        layer.lora.put(slot, a, b)
 
 
-def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str, module: str) -> LoRAWeights:
-    """One layer's A and B for this rank: the targeted parts' A stacked, each part's B in its rows (B scaled)."""
+def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str, module: str, max_rank: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's A [rank, in] and B [out, rank] for this rank: the targeted parts' A stacked, each part's B in its
+    rows (B scaled)."""
     shards = sorted({shard for shard, _ in matrices}, key=str)
     weight = layer.weight
     a_parts, b_parts = [], []
@@ -98,6 +115,8 @@ def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str,
         a, b = matrices.get((shard, "A")), matrices.get((shard, "B"))
         if a is None or b is None or a.shape[0] != b.shape[1]:
             raise LoRAError(f"{folder}: {module} ({shard or 'whole'}) needs lora_A [r, in] and lora_B [out, r]")
+        if a.shape[0] > max_rank:
+            raise LoRAError(f"{folder}: {module} has rank {a.shape[0]}, more than max_lora_rank {max_rank}")
         a_parts.append(a.to(weight.dtype))
         b_parts.append(b.to(weight.dtype) * adapter_scale(config, a.shape[0]))
     rank = sum(a.shape[0] for a in a_parts)
@@ -118,7 +137,7 @@ def _layer_weights(layer: LinearBase, matrices: dict, config: dict, folder: str,
             col += r
     except (ValueError, RuntimeError) as e:
         raise LoRAError(f"{folder}: {module}: {e}") from None
-    return LoRAWeights(a_local, b_local)
+    return a_local, b_local
 
 
 def random_adapter(path: str, base: str, targets: tuple[str, ...], rank: int, seed: int, scale: float = 0.3,

@@ -50,13 +50,14 @@ class EngineCollector:
 
     def _lora(self, core) -> Metric:
         """vLLM's lora_requests_info: the adapters of the running and the waiting requests as labels
-        (comma-separated), the adapters loaded; its value the time of the scrape."""
+        (comma-separated), and how many may be loaded (max_loras); its value the time of the scrape."""
         names = {adapter.slot: name for name, adapter in dict(core.loras).items()}
         info = GaugeMetricFamily("specserve:lora_requests_info", "LoRA adapters of the running and waiting "
                                  "requests", labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         running, waiting = ({names[s.lora] for s in list(queue) if s.lora in names}
                             for queue in (core.scheduler.running, core.scheduler.waiting))
-        info.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(len(names))], time.time())
+        info.add_metric([",".join(sorted(running)), ",".join(sorted(waiting)), str(core.config.lora.max_loras or 0)],
+                        time.time())
         return info
 
     def _controller(self, explained: dict) -> Iterator[Metric]:

@@ -58,7 +58,7 @@ class LoopFlight:
 
 def plain_greedy(seq: Sequence) -> bool:
     """Does seq verify by argmax alone (greedy, no logits processing, grammar or logprobs), on the base model (a
-    LoRA adapter's steps run eagerly)?"""
+    LoRA adapter's steps take the engine's step path)?"""
     p = seq.params
     return p.greedy and p.logprobs is None and not p.processes_logits and not p.guided and not seq.lora
 
