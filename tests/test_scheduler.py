@@ -113,9 +113,9 @@ def test_a_strictly_more_urgent_arrival_preempts_for_a_slot_or_for_blocks():
     run(s.schedule())
     s.add(request("c", 2, 2, 2))  # a's priority: waits for a slot
     assert run(s.schedule()) == [("b", 1), ("a", 1)] and s.num_preemptions == 0
-    assert not s.prefill_pending()  # c waits without a prompt step
+    assert not s.prefill_pending() and s.prompt_tokens_pending() == 0  # c waits without a prompt step
     s.add(request("d", 2, 0, 3))  # more urgent than a, the least urgent running one: takes its slot
-    assert s.prefill_pending()
+    assert s.prefill_pending() and s.prompt_tokens_pending() == 2
     assert run(s.schedule()) == [("b", 1), ("d", 2)] and s.num_preemptions == 1
     assert [q.request_id for q in s.waiting] == ["a", "c"]
     blocks = make(num_blocks=2, scheduling_policy="priority")

@@ -67,7 +67,7 @@ class Scheduler:
         waiting requests that may be admitted."""
         pending = sum(n for seq in self.running  # num_uncomputed_tokens, inlined: each step walks every request
                       if (n := len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens) > 1)
-        room = self.config.max_num_seqs - len(self.running)
+        room = max(self.config.max_num_seqs - len(self.running), int(self._preempts()))
         return pending + sum(seq.num_uncomputed_tokens for _, seq in zip(range(room), self.waiting))
 
     def schedule(self, decode_shape: Callable[[Sequence], tuple[int, int]] = lambda seq: (1, 1)
