@@ -105,3 +105,12 @@ def test_standard_input_to_standard_output(model):  # noqa: F811
 def test_a_missing_input_file_is_named(tmp_path, model, capsys):  # noqa: F811
     assert main(["run-batch", "-i", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "o"), "--model", model]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_a_running_batch_logs_how_far_it_is(tmp_path, model, monkeypatch, caplog):  # noqa: F811
+    from specserve.server import batch
+
+    monkeypatch.setattr(batch, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger="specserve.server.batch"):
+        run(model, [line("a", "/v1/completions", {"prompt": "x", "max_tokens": 2}), "{"], tmp_path)
+    assert "2 lines done (1 failed), 2 written" in caplog.text

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RETRY_FULL_S = 0.05  # a line answered 429 (the server's queue is full) waits this long per try while others run
+PROGRESS_EVERY_S = 10.0  # how often a running batch logs how far it is
 
 
 class LineError(Exception):
@@ -88,6 +89,7 @@ class OrderedWriter:
         self.next_index = 0
         self.waiting: dict[int, dict] = {}
         self.counts = {"succeeded": 0, "failed": 0}
+        self.logged = time.monotonic()
 
     def add(self, index: int, line: dict) -> None:
         self.counts["failed" if line["error"] else "succeeded"] += 1
@@ -96,6 +98,10 @@ class OrderedWriter:
             self.out.write(json.dumps(self.waiting.pop(self.next_index)) + "\n")
             self.next_index += 1
         self.out.flush()
+        if time.monotonic() - self.logged >= PROGRESS_EVERY_S:
+            self.logged = time.monotonic()
+            log.info("%d lines done (%d failed), %d written", sum(self.counts.values()), self.counts["failed"],
+                     self.next_index)
 
 
 class BatchRunner:
