@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from typing import Callable
+from typing import Callable, Optional
 
 from ..config import SchedulerConfig
 from .block_manager import BlockManager
+from .prefix_cache import PrefixHit
 from .sequence import ScheduledSeq, Sequence, SequenceStatus
 
 
@@ -96,12 +97,8 @@ class Scheduler:
                 i += 1
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hit = self.blocks.match(seq)  # cached blocks it starts with: computed already
-            n = seq.num_tokens - hit.num_blocks * self.blocks.block_size
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if not self.blocks.can_admit(seq, hit, n):
+            hit, n = self._first_chunk(seq, budget)
+            if n is None or not self.blocks.can_admit(seq, hit, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -128,9 +125,17 @@ class Scheduler:
         """Is there a request slot, and are there blocks for seq's first chunk (a full step's budget at most)?"""
         if len(self.running) >= self.config.max_num_seqs:
             return False
+        hit, n = self._first_chunk(seq, self.config.max_num_batched_tokens)
+        return n is not None and self.blocks.can_admit(seq, hit, n)
+
+    def _first_chunk(self, seq: Sequence, budget: int) -> tuple[PrefixHit, Optional[int]]:
+        """The cached blocks seq starts with (computed already) and the tokens it computes on admission within
+        `budget` (None: its prompt does not fit and chunked prefill is off)."""
         hit = self.blocks.match(seq)
         n = seq.num_tokens - hit.num_blocks * self.blocks.block_size
-        return self.blocks.can_admit(seq, hit, min(n, self.config.max_num_batched_tokens))
+        if n > budget and not self.config.enable_chunked_prefill:
+            return hit, None
+        return hit, min(n, budget)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release_index(seq)

@@ -70,6 +70,13 @@ def parse_line(text: str) -> tuple[Optional[str], str, dict]:
     return custom_id, line["url"], line["body"]
 
 
+def error_line(custom_id: Optional[str], status: int, code: str, message: str) -> dict:
+    """The output line of a line that got no answer from a route."""
+    line = output_line(custom_id, status, None, "")
+    line["error"] = {"code": code, "message": message}
+    return line
+
+
 def output_line(custom_id: Optional[str], status: int, body: Optional[dict], request_id: str) -> dict:
     """One output line; `error` mirrors a failed response's error body."""
     error = None
@@ -123,9 +130,7 @@ class BatchRunner:
             if custom_id in self.seen:
                 raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} is used by an earlier line", custom_id)
         except LineError as e:
-            line = output_line(e.custom_id, 400, None, "")
-            line["error"] = {"code": e.code, "message": f"line {number}: {e}"}
-            self.writer.add(index, line)
+            self.writer.add(index, error_line(e.custom_id, 400, e.code, f"line {number}: {e}"))
             return
         self.seen.add(custom_id)
         await self.slots.acquire()
@@ -145,9 +150,7 @@ class BatchRunner:
             request_id = answer.get("id", "") if response.status_code < 400 else ""
             self.writer.add(index, output_line(custom_id, response.status_code, answer, request_id))
         except Exception as e:  # one line's failure must not stop the batch
-            line = output_line(custom_id, 500, None, "")
-            line["error"] = {"code": "internal_error", "message": f"{type(e).__name__}: {e}"}
-            self.writer.add(index, line)
+            self.writer.add(index, error_line(custom_id, 500, "internal_error", f"{type(e).__name__}: {e}"))
         finally:
             self.in_flight -= 1
             self.slots.release()
