@@ -84,6 +84,9 @@ class SamplingParams:
     - `min_tokens` (<= max_tokens): EOS and `stop_token_ids` cannot be sampled before that many output
       tokens.
     - `allowed_token_ids` (vLLM's; None: all): only these tokens can be sampled (the others' logits -inf).
+    - `bad_words` (vLLM's): strings the output never contains as tokenized: each word is tokenized alone and
+      after a space (`update_from_tokenizer`, which the engine calls), a one-token word is never sampled, and
+      a longer one's last token is not sampled right after the output's last tokens spell the rest of it.
 
     `structured_outputs` (`StructuredOutputsParams`, vLLM's; through xgrammar: the `grammar` extra) constrains
     the output: only tokens that keep it a prefix of a match can be sampled, and the request stops when the
@@ -110,11 +113,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    bad_words: list[str] = field(default_factory=list)
+    # bad_words as token ids (`update_from_tokenizer`); None: not tokenized
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        elif self.bad_words is None or isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = _token_keys(self.logit_bias)
         if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
@@ -145,6 +155,8 @@ class SamplingParams:
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad(f"bad_words must be a list of strings that are not blank, got {self.bad_words!r}")
         if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty < float("inf"):
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -185,14 +197,36 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def check_token_ids(self, vocab_size: int) -> None:
-        """Raise ValueError if logit_bias, stop_token_ids or allowed_token_ids name a token outside the vocabulary
-        (the engine calls this where it checks prompts)."""
+        """Raise ValueError if logit_bias, stop_token_ids, allowed_token_ids or the tokenized bad_words name a token
+        outside the vocabulary (the engine calls this where it checks prompts)."""
+        words = [t for word in self.bad_words_token_ids or [] for t in word]
         for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+                          ("allowed_token_ids", self.allowed_token_ids or []), ("bad_words", words)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"invalid sampling parameter: {name} token id {bad[0]} is outside the "
                                  f"vocabulary (size {vocab_size})")
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize bad_words into bad_words_token_ids as vLLM does: each word without its leading spaces, and
+        after one space where that gives as many tokens with a different first one (the word inside a text).
+        ValueError for a word with no tokens, or for bad_words with no tokenizer. Without bad_words it does
+        nothing (token ids set directly stay)."""
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise ValueError("invalid sampling parameter: bad_words needs the model's tokenizer, and this model "
+                             "folder has none")
+        ids = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise ValueError(f"invalid sampling parameter: bad word {word!r} tokenizes to no tokens")
+            ids.append(list(alone))
+            inside = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(inside) == len(alone) and inside[0] != alone[0]:
+                ids.append(list(inside))
+        self.bad_words_token_ids = ids
 
     @property
     def guided(self) -> bool:
@@ -206,8 +240,13 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Does any logits processor apply (penalties, logit_bias, min_tokens or allowed_token_ids)?"""
-        return self.has_penalties or self.has_bias or self.min_tokens > 0
+        """Does any logits processor apply (penalties, logit_bias, min_tokens, allowed_token_ids or bad words)?"""
+        return self.has_penalties or self.has_bias or self.min_tokens > 0 or self.has_bad_words
+
+    @property
+    def has_bad_words(self) -> bool:
+        """Are tokens banned after some outputs (bad words, once tokenized)?"""
+        return bool(self.bad_words_token_ids)
 
     @property
     def has_bias(self) -> bool:

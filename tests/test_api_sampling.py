@@ -138,3 +138,19 @@ def test_logprobs_stay_json():
     found by schemathesis, now refused)."""
     assert [json_logprob(x) for x in (-0.5, float("-inf"), float("nan"))] == [-0.5, MIN_LOGPROB, MIN_LOGPROB]
     json.dumps([json_logprob(float("nan"))], allow_nan=False)
+
+
+def test_bad_words_are_never_generated(server, llm):  # noqa: F811
+    [plain] = llm.generate([PROMPTS[0]], greedy(16))
+    word = next(w for w in (llm.tokenizer.decode([t]).strip() for t in plain.token_ids[2:]) if w.isalpha())
+    r = post(server, {"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                      "bad_words": [word]})
+    assert r.status_code == 200, r.text
+    params = greedy(16, bad_words=[word])
+    [ref] = llm.generate([PROMPTS[0]], params)
+    assert r.json()["choices"][0]["text"] == ref.text != plain.text
+    banned = {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+    assert banned and banned & set(plain.token_ids) and not banned & set(ref.token_ids)
+    for blank in (["  "], "word"):
+        r = post(server, {"prompt": "x", "bad_words": blank})
+        assert r.status_code == 400 and "bad_words" in r.text, r.text

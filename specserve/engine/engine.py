@@ -240,6 +240,7 @@ class LLMEngine:
         slot = self.check_options(options)
         params = params or self.default_params()
         params.validate()
+        params.update_from_tokenizer(self.tokenizer)
         params.check_token_ids(self.arch.vocab_size)
         ids = self.tokenize(prompt)
         self.check_prompt(ids)

@@ -1,9 +1,10 @@
-"""Logits processors that depend on a request's tokens so far: logit_bias, allowed_token_ids, min_tokens and the
-repetition, frequency and presence penalties (`SamplingParams`), applied to the raw logits before temperature and
-the filters, in this order (vLLM's): logits + bias (-inf outside allowed_token_ids); EOS and stop_token_ids -inf
-while fewer than min_tokens output tokens exist; the repetition penalty on tokens seen in the prompt or the output
-(a positive logit divided by it, a negative one multiplied); minus frequency * count and presence * [count > 0]
-over the output tokens.
+"""Logits processors that depend on a request's tokens so far: logit_bias, allowed_token_ids, bad words, min_tokens
+and the repetition, frequency and presence penalties (`SamplingParams`), applied to the raw logits before
+temperature and the filters, in this order (vLLM's): logits + bias (-inf outside allowed_token_ids and at one-token
+bad words); -inf at EOS and stop_token_ids while fewer than min_tokens output tokens exist, and at the last token
+of each longer bad word whose other tokens end the output; the repetition penalty on tokens seen in the prompt or
+the output (a positive logit divided by it, a negative one multiplied); minus frequency * count and presence *
+[count > 0] over the output tokens.
 
 Lossless under speculation: a plain step processes the logits after the sequence's tokens; a verify processes the
 logits after draft node j with the sequence's tokens plus the drafts on the path from the root to j (its ancestors
@@ -26,6 +27,7 @@ from ..device import to_device
 from .grammar import mask_logits
 
 _INF = float("inf")
+_ANY = -2  # a bad word's prefix, right-aligned in `word_bans`' width: this position matches any token
 
 
 def apply(logits: torch.Tensor, bias: torch.Tensor, banned: torch.Tensor, prompt: torch.Tensor,
@@ -42,8 +44,9 @@ def apply(logits: torch.Tensor, bias: torch.Tensor, banned: torch.Tensor, prompt
 
 class TokenCounts:
     """A request's tokens on the device: `counts` [V] fp32 of its output tokens (folded in from the host
-    as they arrive), `prompt` [V] bool, its logit_bias as a dense `bias` [V] (-inf outside allowed_token_ids)
-    and `stops` [V] bool (EOS and stop_token_ids, which min_tokens holds back)."""
+    as they arrive), `prompt` [V] bool, its logit_bias as a dense `bias` [V] (-inf outside allowed_token_ids
+    and at one-token bad words) and `stops` [V] bool (EOS and stop_token_ids, which min_tokens holds back);
+    `words`, its bad words of several tokens as (the tokens before the last, the last)."""
 
     def __init__(self, seq, vocab: int, device: torch.device):
         params = seq.params
@@ -59,6 +62,11 @@ class TokenCounts:
             outside = torch.ones(vocab, dtype=torch.bool, device=device)
             outside[to_device(params.allowed_token_ids, torch.long, device)] = False
             self.bias.masked_fill_(outside, -_INF)
+        words = params.bad_words_token_ids or []
+        singles = [word[0] for word in words if len(word) == 1]
+        if singles:
+            self.bias[to_device(singles, torch.long, device)] = -_INF
+        self.words = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
         self.stops = torch.zeros(vocab, dtype=torch.bool, device=device)
         stops = sorted(set(seq.eos_token_ids) | set(params.stop_token_ids))
         if stops:
@@ -92,6 +100,7 @@ class Batch:
         self.prompt = torch.stack([c.prompt for c in states])  # [R, V]
         self.counts = torch.stack([c.counts for c in states])  # [R, V]
         self.stops = torch.stack([c.stops for c in states])  # [R, V]
+        self.words = [c.words for c in states]
         self.num_output = [s.num_tokens - s.num_prompt_tokens for s in seqs]  # pending tokens included
         self.min_tokens = [s.params.min_tokens for s in seqs]
 
@@ -105,7 +114,46 @@ class Batch:
 def processed_rows(seqs: Sequence) -> list[int]:
     """The rows that need processing (a request whose only option is a min_tokens it has reached does not)."""
     return [i for i, s in enumerate(seqs) if s.params.processes_logits and (
-        s.params.has_penalties or s.params.has_bias or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
+        s.params.has_penalties or s.params.has_bias or s.params.has_bad_words
+        or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
+
+
+def word_bans(contexts: torch.Tensor, words: Sequence, vocab: int) -> Optional[torch.Tensor]:
+    """[X, V] bool: the last token of each bad word whose other tokens end context x, for contexts [X, W]
+    (each row's last W tokens, -1 where it has fewer) and words [X] (row x's words: (prefix of at most W
+    tokens, last token)); None when no row has such words."""
+    entries = [(x, prefix, last) for x, row in enumerate(words) for prefix, last in row]
+    if not entries:
+        return None
+    width, dev = contexts.shape[1], contexts.device
+    rows = to_device([x for x, _, _ in entries], torch.long, dev)  # [E]
+    prefixes = to_device([[_ANY] * (width - len(p)) + list(p) for _, p, _ in entries], torch.long, dev)  # [E, W]
+    match = ((contexts[rows] == prefixes) | (prefixes == _ANY)).all(1)  # [E]
+    bans = torch.zeros(contexts.shape[0], vocab, device=dev)
+    bans.index_put_((rows, to_device([last for _, _, last in entries], torch.long, dev)), match.float(),
+                    accumulate=True)
+    return bans > 0
+
+
+def word_width(batch: "Batch") -> int:
+    """The most tokens any bad word of the batch has before its last one (0: no word of several tokens)."""
+    return max((len(prefix) for row in batch.words for prefix, _ in row), default=0)
+
+
+def output_tails(seqs: Sequence, width: int, pending: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[len(seqs), width] long: each sequence's last width output tokens, the pending one (overlap scheduling)
+    read from pending at its row, -1 before the first output token."""
+    rows = []
+    for seq in seqs:
+        known = width - seq.num_pending
+        tail = seq.token_ids[seq.num_prompt_tokens:][-known:] if known > 0 else []
+        rows.append([-1] * (known - len(tail)) + tail + [0] * seq.num_pending)
+    tails = to_device(rows, torch.long, device)
+    waiting = [k for k, s in enumerate(seqs) if s.num_pending]
+    if waiting:
+        tails[to_device(waiting, torch.long, device), width - 1] = \
+            pending[to_device([seqs[k].pending_row for k in waiting], torch.long, device)]
+    return tails
 
 
 def process_logits(logits: torch.Tensor, seqs: Sequence, pending: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -128,10 +176,14 @@ def penalise(logits: torch.Tensor, seqs: Sequence, rows: list[int], pending: Opt
         tokens = pending[to_device([seqs[rows[k]].pending_row for k in waiting], torch.long, dev)]  # [W]
         batch.counts[to_device(waiting, torch.long, dev), tokens] += 1
     early = to_device([n < m for n, m in zip(batch.num_output, batch.min_tokens)], torch.bool, dev)  # [R]
+    banned = batch.stops & early[:, None]  # [R, V]
+    width = word_width(batch)
+    if width:
+        banned |= word_bans(output_tails([seqs[i] for i in rows], width, pending, dev), batch.words, v)
     index = to_device(rows, torch.long, dev)
     out = logits.clone()
-    out[index] = apply(logits[index], batch.bias, batch.stops & early[:, None], batch.prompt, batch.counts,
-                       batch.rep, batch.freq, batch.pres)
+    out[index] = apply(logits[index], batch.bias, banned, batch.prompt, batch.counts, batch.rep, batch.freq,
+                       batch.pres)
     return out
 
 
@@ -147,6 +199,10 @@ def process_one(logits: torch.Tensor, params, prompt: list[int], output: list[in
         bias = [b if t in params.allowed_token_ids else -_INF for t, b in enumerate(bias)]
     for token in stops if len(output) < params.min_tokens else ():
         banned[token] = True
+    for word in params.bad_words_token_ids or ():
+        before = list(word[:-1])
+        if len(before) <= len(output) and output[len(output) - len(before):] == before:
+            banned[word[-1]] = True
     for token in prompt if params.repetition_penalty != 1 else ():
         seen[token] = True
     for token in output:
@@ -170,6 +226,20 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
         mask[:, j] |= mask[rows, parents[:, j]]
     mask[:, :, 0] = False
     return mask
+
+
+def path_tails(tails: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """[R, N, W]: the last W tokens after each node of R trees (tokens, parents [R, N]; depth [R, N], the drafts
+    on each node's path), its path's drafts after the sequence's output tails [R, W]."""
+    width = tails.shape[1]
+    node = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [R, N]
+    out = torch.empty(*tokens.shape, width, dtype=torch.long, device=tokens.device)
+    for back in range(width):  # the token `back` places before the end
+        w = width - 1 - back
+        on_path = back < depth
+        out[..., w] = torch.where(on_path, tokens.gather(1, node), tails.gather(1, (w + depth).clamp(max=width - 1)))
+        node = torch.where(on_path, parents.gather(1, node).clamp(min=0), node)
+    return out
 
 
 def process_tree_logits(logits: torch.Tensor, seqs: Sequence, tokens: torch.Tensor,
@@ -196,6 +266,11 @@ def process_tree_logits(logits: torch.Tensor, seqs: Sequence, tokens: torch.Tens
         return x[:, None].expand(r, n, *x.shape[1:]).reshape(r * n, *x.shape[1:])
 
     banned = (batch.stops[:, None] & early[:, :, None]).reshape(r * n, v)
+    width = word_width(batch)
+    if width:
+        tails = output_tails([seqs[i] for i in rows], width, None, dev)  # [R, W]
+        contexts = path_tails(tails, tokens[index], parents[index], depth.long())  # [R, N, W]
+        banned |= word_bans(contexts.reshape(r * n, width), [w for w in batch.words for _ in range(n)], v)
     processed = apply(logits[index].reshape(r * n, v), per_node(batch.bias), banned, per_node(batch.prompt),
                       counts.reshape(r * n, v), per_node(batch.rep), per_node(batch.freq), per_node(batch.pres))
     out = logits.clone()

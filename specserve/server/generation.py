@@ -99,9 +99,15 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     try:
         if structured is not None:
             options["structured_outputs"] = StructuredOutputsParams(**structured)
-        return SamplingParams(**options)
+        params = SamplingParams(**options)
     except ValueError as e:
         raise bad_request(str(e)) from None
+    try:
+        params.update_from_tokenizer(core.tokenizer)
+        params.check_token_ids(core.arch.vocab_size)
+    except ValueError as e:
+        raise bad_request(str(e), "bad_words") from None
+    return params
 
 
 def _check_token_ids(req: SamplingRequest, vocab_size: int) -> None:

@@ -10,7 +10,7 @@ refused otherwise with a message naming the field, never silently ignored. Struc
 (OpenAI's); vLLM's `structured_outputs` {json | regex | choice | grammar | json_object}, and its older
 `guided_json` (a schema or its JSON text), `guided_regex`, `guided_choice`, `guided_grammar`; and on chat
 `tool_choice` "required" or a named function. `top_k`, `min_p`, `ignore_eos`, `stop_token_ids`,
-`repetition_penalty`, `min_tokens` and `allowed_token_ids` are extra sampling fields, as in vLLM, and
+`repetition_penalty`, `min_tokens`, `allowed_token_ids` and `bad_words` are extra sampling fields, as in vLLM, and
 `truncate_prompt_tokens` keeps a prompt's last tokens (with `include_stop_str_in_output`, `skip_special_tokens`,
 and on completions `echo`); `n` choices are n requests of the same prompt, for each prompt of a list. Stop strings
 must not be empty: `"stop": ""` and `"stop": [""]` are both refused.
@@ -240,6 +240,8 @@ class SamplingFields(_Strict):
                                                                "completions)"), BeforeValidator(_whole)]] = None
     allowed_token_ids: Optional[list[TokenId]] = Field(None, min_length=1, description="vLLM's: only these tokens "
                                                                                     "can be sampled")
+    bad_words: Optional[list[NonEmpty]] = Field(None, description="vLLM's: words the output never contains as "
+                                                                 "tokenized (alone, and after a space)")
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1), BeforeValidator(_whole)]] = Field(
         None, description="vLLM's: keep only the prompt's last k tokens (-1: max_model_len's worth)")
     include_stop_str_in_output: bool = Field(False, description="the stop string that ended the output stays in it")
@@ -286,6 +288,8 @@ class SamplingFields(_Strict):
             options["logit_bias"] = {int(k): v for k, v in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             options["allowed_token_ids"] = list(self.allowed_token_ids)
+        if self.bad_words:
+            options["bad_words"] = list(self.bad_words)
         return options
 
 
