@@ -31,13 +31,13 @@ def build(spec: bool) -> LLMEngine:
     return LLMEngine(EngineConfig.from_options(**opts))
 
 
-def steady_step_seconds(engine: LLMEngine, steps: int, concurrency: int, seed=None) -> float:
-    """Wall seconds per step of `concurrency` requests decoding steadily: greedy, or with `seed` given,
-    at temperature 1 with seed(i) for request i (None: unseeded)."""
+def steady_step_seconds(engine: LLMEngine, steps: int, concurrency: int, options=None) -> float:
+    """Wall seconds per step of `concurrency` requests decoding steadily, without EOS: greedy, or with
+    `options` given, request i with SamplingParams(**options(i))."""
     for i in range(concurrency):
-        params = SamplingParams(temperature=0, max_tokens=steps + 50, ignore_eos=True) if seed is None else \
-            SamplingParams(temperature=1.0, max_tokens=steps + 50, ignore_eos=True, seed=seed(i))
-        engine.add_request([5 + i % 50, 6, 7, 8, 9, 10, 11, 12] * 8, params)
+        extra = options(i) if options is not None else {"temperature": 0}
+        engine.add_request([5 + i % 50, 6, 7, 8, 9, 10, 11, 12] * 8,
+                           SamplingParams(max_tokens=steps + 50, ignore_eos=True, **extra))
     for _ in range(20):
         engine.step()
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)

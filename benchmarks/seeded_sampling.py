@@ -86,8 +86,8 @@ def main() -> None:
         times: dict = {"unseeded": [], "seeded": []}
         for _ in range(args.rounds):
             for name in times:  # seeded: request i has seed i; unseeded: all temperature 1 without a seed
-                seed = (lambda i: i) if name == "seeded" else (lambda i: None)
-                seconds = steady_step_seconds(engine, args.steps, args.batch, seed)
+                seconds = steady_step_seconds(engine, args.steps, args.batch,
+                                              lambda i: {"temperature": 1.0, "seed": i if name == "seeded" else None})
                 times[name].append(round(1e6 * seconds, 1))
         median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         out["step"] = {"model": args.step_model, "batch": args.batch, "step_us": times,

@@ -46,7 +46,8 @@ class TokenCounts:
     """A request's tokens on the device: `counts` [V] fp32 of its output tokens (folded in from the host
     as they arrive), `prompt` [V] bool, its logit_bias as a dense `bias` [V] (-inf outside allowed_token_ids
     and at one-token bad words) and `stops` [V] bool (EOS and stop_token_ids, which min_tokens holds back);
-    `words`, its bad words of several tokens as (the tokens before the last, the last)."""
+    its bad words of several tokens as `word_prefixes` [words, word_width] (the tokens before the last,
+    right-aligned, _ANY before them) and `word_lasts` [words] (None without such words)."""
 
     def __init__(self, seq, vocab: int, device: torch.device):
         params = seq.params
@@ -66,12 +67,28 @@ class TokenCounts:
         singles = [word[0] for word in words if len(word) == 1]
         if singles:
             self.bias[to_device(singles, torch.long, device)] = -_INF
-        self.words = [(tuple(word[:-1]), word[-1]) for word in words if len(word) > 1]
+        longer = [word for word in words if len(word) > 1]
+        self.word_width = max((len(word) - 1 for word in longer), default=0)
+        self.word_prefixes = to_device([[_ANY] * (self.word_width + 1 - len(w)) + list(w[:-1]) for w in longer],
+                                       torch.long, device) if longer else None
+        self.word_lasts = to_device([w[-1] for w in longer], torch.long, device) if longer else None
+        self._tables: dict = {}
         self.stops = torch.zeros(vocab, dtype=torch.bool, device=device)
         stops = sorted(set(seq.eos_token_ids) | set(params.stop_token_ids))
         if stops:
             self.stops[to_device(stops, torch.long, device)] = True
         self.folded = 0  # output tokens counted so far
+
+    def word_table(self, width: int, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This request's bad words for `nodes` contexts of `width` tokens: (context [E], prefixes [E, width],
+        lasts [E]), every word once per context (E = words * nodes); made once per (width, nodes)."""
+        key = (width, nodes)
+        if key not in self._tables:
+            k = self.word_lasts.shape[0]
+            prefixes = torch.nn.functional.pad(self.word_prefixes, (width - self.word_width, 0), value=_ANY)
+            context = torch.arange(nodes, device=self.word_lasts.device).repeat_interleave(k)
+            self._tables[key] = (context, prefixes.repeat(nodes, 1), self.word_lasts.repeat(nodes))
+        return self._tables[key]
 
     def update(self, seq) -> "TokenCounts":
         """Count the output tokens the host learned since the last update."""
@@ -100,7 +117,7 @@ class Batch:
         self.prompt = torch.stack([c.prompt for c in states])  # [R, V]
         self.counts = torch.stack([c.counts for c in states])  # [R, V]
         self.stops = torch.stack([c.stops for c in states])  # [R, V]
-        self.words = [c.words for c in states]
+        self.states = states
         self.num_output = [s.num_tokens - s.num_prompt_tokens for s in seqs]  # pending tokens included
         self.min_tokens = [s.params.min_tokens for s in seqs]
 
@@ -118,26 +135,24 @@ def processed_rows(seqs: Sequence) -> list[int]:
         or s.num_tokens - s.num_prompt_tokens < s.params.min_tokens)]
 
 
-def word_bans(contexts: torch.Tensor, words: Sequence, vocab: int) -> Optional[torch.Tensor]:
-    """[X, V] bool: the last token of each bad word whose other tokens end context x, for contexts [X, W]
-    (each row's last W tokens, -1 where it has fewer) and words [X] (row x's words: (prefix of at most W
-    tokens, last token)); None when no row has such words."""
-    entries = [(x, prefix, last) for x, row in enumerate(words) for prefix, last in row]
-    if not entries:
-        return None
-    width, dev = contexts.shape[1], contexts.device
-    rows = to_device([x for x, _, _ in entries], torch.long, dev)  # [E]
-    prefixes = to_device([[_ANY] * (width - len(p)) + list(p) for _, p, _ in entries], torch.long, dev)  # [E, W]
+def word_bans(contexts: torch.Tensor, states: Sequence[TokenCounts], vocab: int) -> torch.Tensor:
+    """[X, V] bool: the last token of each bad word whose other tokens end its context, for contexts [X, W]
+    (the last W tokens, -1 where there are fewer), X / len(states) contexts a request in a row, and the
+    requests' TokenCounts."""
+    nodes, width, dev = contexts.shape[0] // len(states), contexts.shape[1], contexts.device
+    tables = [(r, c.word_table(width, nodes)) for r, c in enumerate(states) if c.word_lasts is not None]
+    rows = torch.cat([context + r * nodes for r, (context, _, _) in tables])  # [E]
+    prefixes = torch.cat([p for _, (_, p, _) in tables])  # [E, W]
+    lasts = torch.cat([last for _, (_, _, last) in tables])  # [E]
     match = ((contexts[rows] == prefixes) | (prefixes == _ANY)).all(1)  # [E]
     bans = torch.zeros(contexts.shape[0], vocab, device=dev)
-    bans.index_put_((rows, to_device([last for _, _, last in entries], torch.long, dev)), match.float(),
-                    accumulate=True)
+    bans.index_put_((rows, lasts), match.float(), accumulate=True)
     return bans > 0
 
 
 def word_width(batch: "Batch") -> int:
     """The most tokens any bad word of the batch has before its last one (0: no word of several tokens)."""
-    return max((len(prefix) for row in batch.words for prefix, _ in row), default=0)
+    return max(c.word_width for c in batch.states)
 
 
 def output_tails(seqs: Sequence, width: int, pending: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -179,7 +194,7 @@ def penalise(logits: torch.Tensor, seqs: Sequence, rows: list[int], pending: Opt
     banned = batch.stops & early[:, None]  # [R, V]
     width = word_width(batch)
     if width:
-        banned |= word_bans(output_tails([seqs[i] for i in rows], width, pending, dev), batch.words, v)
+        banned |= word_bans(output_tails([seqs[i] for i in rows], width, pending, dev), batch.states, v)
     index = to_device(rows, torch.long, dev)
     out = logits.clone()
     out[index] = apply(logits[index], batch.bias, banned, batch.prompt, batch.counts, batch.rep, batch.freq,
@@ -270,7 +285,7 @@ def process_tree_logits(logits: torch.Tensor, seqs: Sequence, tokens: torch.Tens
     if width:
         tails = output_tails([seqs[i] for i in rows], width, None, dev)  # [R, W]
         contexts = path_tails(tails, tokens[index], parents[index], depth.long())  # [R, N, W]
-        banned |= word_bans(contexts.reshape(r * n, width), [w for w in batch.words for _ in range(n)], v)
+        banned |= word_bans(contexts.reshape(r * n, width), batch.states, v)
     processed = apply(logits[index].reshape(r * n, v), per_node(batch.bias), banned, per_node(batch.prompt),
                       counts.reshape(r * n, v), per_node(batch.rep), per_node(batch.freq), per_node(batch.pres))
     out = logits.clone()
