@@ -151,7 +151,6 @@ def test_streamed_events_add_up_to_the_response(client):
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "item references"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content",
      "input_image"),
@@ -237,6 +236,27 @@ def test_stored_responses_continue_their_conversation(server, client, llm):  # n
     assert client.responses.retrieve(later[0]).id == later[0]
 
 
+def test_item_references_stand_for_stored_output_items(server, client, llm):  # noqa: F811
+    """An item_reference renders as the stored output item it names, sent inline; an unknown or deleted one is a 404
+    naming the input item."""
+    kw = dict(model=MODEL, max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    first = client.responses.create(input="Hi.", **kw)
+    [message] = first.output
+    by_reference = client.responses.create(input=[{"role": "user", "content": "Hi."},
+                                                  {"type": "item_reference", "id": message.id},
+                                                  {"role": "user", "content": "More."}], **kw)
+    prompt = rendered(llm, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": first.output_text},
+                            {"role": "user", "content": "More."}])
+    [ref] = llm.generate([prompt], greedy(8))
+    assert (by_reference.output_text, by_reference.usage.input_tokens) == (ref.text, len(prompt))
+    httpx.delete(f"{server.url}/v1/responses/{first.id}", headers=server.headers, timeout=30)
+    for gone in (message.id, "msg_none"):
+        r = httpx.post(server.url + "/v1/responses", headers=server.headers, timeout=30, json=dict(
+            model=MODEL, input=[{"type": "item_reference", "id": gone}, {"role": "user", "content": "x"}]))
+        assert r.status_code == 404 and r.json()["error"]["param"] == "input.0.id", r.text
+        assert f"no stored item {gone!r}" in r.json()["error"]["message"]
+
+
 def test_reasoning_and_a_function_call_come_back_as_items(scripted_server):  # noqa: F811
     client = scripted_server.client()
     kw = dict(model="tiny", input="weather Paris", tools=FLAT_TOOLS, temperature=0, max_output_tokens=20)
@@ -284,10 +304,11 @@ def test_a_stored_response_continues_as_the_chat_messages_of_its_items():
     that holds them, and a request continuing it with the call's output renders as chat would."""
     from specserve import SamplingParams
     from specserve.engine.engine import RequestOutput
+    from specserve.server.errors import APIError
     from specserve.server.formatting import Envelope, TokenText
     from specserve.server.protocol_responses import ResponsesRequest
-    from specserve.server.response_store import ResponseStore
-    from specserve.server.responses_api import ResponseFormatter
+    from specserve.server.response_store import ResponseStore, StoredResponse
+    from specserve.server.responses_api import ResponseFormatter, referenced
 
     store = ResponseStore(2)
     req = ResponsesRequest.model_validate({"input": "Weather in Paris?", "instructions": "Be brief.",
@@ -308,4 +329,18 @@ def test_a_stored_response_continues_as_the_chat_messages_of_its_items():
     assert follow.to_chat(store.get("resp_1").conversation).template_messages()[-3:] == [
         {"role": "user", "content": "Weather in Paris?"}, dict(assistant),
         {"role": "tool", "tool_call_id": call_id, "content": "sunny"}]
+    # the same items by reference: the user's message, then the stored reasoning and call, then the call's output
+    by_reference = ResponsesRequest.model_validate({"input": [{"role": "user", "content": "Weather in Paris?"}] + [
+        {"type": "item_reference", "id": item["id"]} for item in body["output"]] + [
+        {"type": "function_call_output", "call_id": call_id, "output": "sunny"}]})
+    assert referenced(store, by_reference).to_chat().template_messages() == \
+        follow.to_chat(store.get("resp_1").conversation).template_messages()
+    for k in (3, 4):  # two more responses: the first is dropped, and its items with it
+        store.put(StoredResponse({"id": f"resp_{k}", "output": [{"id": f"msg_{k}", "type": "message"}]}, []))
+    assert store.get("resp_1") is None and store.item(body["output"][1]["id"]) is None
+    assert store.item("msg_4") == {"id": "msg_4", "type": "message"}
+    with pytest.raises(APIError, match="no stored item"):
+        referenced(store, by_reference)
+    with pytest.raises(APIError, match="this server stores none"):
+        referenced(ResponseStore(0), by_reference)
 

@@ -7,8 +7,9 @@ reasoning_content). `instructions` becomes a system message first; the "develope
 function tools are served; `text.format` is the structured output (text, json_object, json_schema), and the
 sampling fields are chat's, vLLM's extras included. `previous_response_id` continues a stored response's
 conversation (the server keeps the latest --responses-store-size responses; none by default, as vLLM, and then it
-is refused with a 400 that says so); its instructions are not carried over, as in OpenAI's API. Item references
-and background responses are refused.
+is refused with a 400 that says so); its instructions are not carried over, as in OpenAI's API. An
+`item_reference` names an output item (message, reasoning, function call) of a stored response, which takes its
+place (`responses_api`); background responses are refused.
 `reasoning` (effort, summary) and `include` values other than "message.output_text.logprobs" are accepted and
 have no effect (the model reasons as its chat template has it).
 """
@@ -116,13 +117,10 @@ class ReasoningItem(_Strict):
 
 
 class ItemReference(_Strict):
+    """An output item of a stored response, by its id (resolved before the request runs)."""
+
     type: Literal["item_reference"]
     id: str
-
-    @model_validator(mode="after")
-    def _refuse(self):
-        raise ValueError("item references are not supported: send the items (or continue a stored response with "
-                     "previous_response_id)")
 
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning", "item_reference")

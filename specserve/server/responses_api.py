@@ -11,7 +11,8 @@ or argument deltas, their .done events and output_item.done, and last response.c
 response.incomplete; response.failed when the server aborts the request or the engine fails, after an
 error event). The message stays open while tool calls follow it, so the items keep the order a non-streamed
 response gives. With --responses-store-size finished responses are kept (unless the request says `store`
-false) for `previous_response_id` and GET / DELETE /v1/responses/{id}; without it nothing is.
+false) for `previous_response_id`, `item_reference` input items (their output items, by id) and GET / DELETE
+/v1/responses/{id}; without it nothing is.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from ..engine.engine import RequestOutput
 from ..sampling_params import SamplingParams
@@ -32,7 +33,7 @@ from .errors import APIError, bad_request, from_validation_error
 from .formatting import Envelope, new_logprobs
 from .generation import as_api_error, parse_request, respond
 from .parsers import THINK_CLOSE, ChatDelta
-from .protocol_responses import ResponsesRequest
+from .protocol_responses import InputItem, ItemReference, ResponsesRequest
 from .response_store import ResponseStore, StoredResponse
 from .state import ServerState
 from .streams import OutputStream
@@ -298,9 +299,33 @@ def _previous(state: ServerState, req: ResponsesRequest) -> list[dict]:
     return stored.conversation
 
 
+_INPUT_ITEM = TypeAdapter(InputItem)
+
+
+def referenced(store: ResponseStore, req: ResponsesRequest) -> ResponsesRequest:
+    """req with each item reference replaced by the output item of that id of a response in store."""
+    if not any(isinstance(item, ItemReference) for item in req.input):
+        return req
+    if not store.enabled:
+        raise bad_request("item references name output items of stored responses, and this server stores none "
+                          "(start it with --responses-store-size N): send the items themselves", "input")
+    items = []
+    for k, item in enumerate(req.input):
+        if isinstance(item, ItemReference):
+            stored = store.item(item.id)
+            if stored is None:
+                raise APIError(404, f"no stored item {item.id!r}: an item reference names an output item of one of "
+                                    f"the latest {store.size} stored responses", "not_found_error",
+                               f"input.{k}.id")
+            item = _INPUT_ITEM.validate_python(stored)
+        items.append(item)
+    return req.model_copy(update={"input": items})
+
+
 async def create_response(request: Request, state: ServerState) -> Response:
     engine, req = await parse_request(request, state, ResponsesRequest)
     previous = _previous(state, req)
+    req = referenced(state.responses, req)
     try:
         chat = req.to_chat(previous)
         sub = await submission(engine, state, chat)
