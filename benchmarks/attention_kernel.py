@@ -29,9 +29,8 @@ from specserve.layers import triton_attention  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 
 
-def graph_seconds(fn, calls: int = 16) -> float:
-    """Seconds per call of fn, replayed from a CUDA graph of `calls` calls (launch overhead excluded, as in the
-    engine's graphs)."""
+def captured(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn, run once outside the capture first (compiling its kernels)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
@@ -41,7 +40,13 @@ def graph_seconds(fn, calls: int = 16) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_events(graph.replay, 10) / calls
+    return graph
+
+
+def graph_seconds(fn, calls: int = 16) -> float:
+    """Seconds per call of fn, replayed from a CUDA graph of `calls` calls (launch overhead excluded, as in the
+    engine's graphs)."""
+    return time_events(captured(fn, calls).replay, 10) / calls
 
 
 def cell(batch: int, context: int, q: int, splits: list, launches: list, bandwidth: float) -> dict:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from attention_kernel import captured  # benchmarks/ is on sys.path when run as a script
+from gpu_decode import time_events
 
 try:
     import triton
@@ -64,28 +65,13 @@ def triton_mm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, tile: tuple) ->
 
 
 def sustained_seconds(fn, warm: float) -> float:
-    """Seconds per replay of a CUDA graph of fn, after `warm` seconds of replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    """Seconds per replay of a CUDA graph of fn, after `warm` seconds of replays (the median of 10)."""
+    graph = captured(fn)
     end = time.perf_counter() + warm
     while time.perf_counter() < end:
         graph.replay()
         torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return time_events(graph.replay, 10, warmup=0)
 
 
 def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float) -> list[dict]:

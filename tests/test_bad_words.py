@@ -26,9 +26,9 @@ from .test_penalties import (
     close,
     hf_process,
     make_seq,
+    nodes_see_their_paths,
     oracle_drafts,
     random_params,
-    random_tree,
     stops_of,
 )
 
@@ -57,6 +57,18 @@ def words_near(rng: random.Random, output: list[int], alphabet: int) -> list[lis
         k = rng.randint(0, min(3, len(output)))
         words.append(output[len(output) - k:] + [rng.randrange(alphabet)])
     return words
+
+
+def random_seqs(rng: random.Random, count: int, v: int, alphabet: int, longest: int) -> list:
+    """Sequences with outputs of up to `longest` tokens from range(alphabet), bad words near them, and a third
+    of them other options too."""
+    seqs = []
+    for _ in range(count):
+        output = [rng.randrange(alphabet) for _ in range(rng.randint(0, longest))]
+        params = random_params(rng, v) if rng.random() < 0.3 else SamplingParams()
+        seqs.append(make_seq([rng.randrange(v) for _ in range(rng.randint(1, 9))], output,
+                             with_words(params, words_near(rng, output, alphabet))))
+    return seqs
 
 
 # ---- tokenizing -------------------------------------------------------------------------------------------
@@ -90,12 +102,7 @@ def test_rows_match_transformers_row_by_row_and_batched():
     gen = torch.Generator().manual_seed(5)
     fired = 0
     for _ in range(40):
-        seqs = []
-        for _ in range(rng.randint(1, 6)):
-            output = [rng.randrange(alphabet) for _ in range(rng.randint(0, 8))]
-            params = random_params(rng, v) if rng.random() < 0.3 else SamplingParams()
-            seqs.append(make_seq([rng.randrange(v) for _ in range(rng.randint(1, 9))], output,
-                                 with_words(params, words_near(rng, output, alphabet))))
+        seqs = random_seqs(rng, rng.randint(1, 6), v, alphabet, 8)
         logits = torch.randn(len(seqs), v, generator=gen) * 3
         batched = process_logits(logits, seqs)
         for i, seq in enumerate(seqs):
@@ -126,27 +133,8 @@ def test_each_draft_node_sees_its_path():
     gen = torch.Generator().manual_seed(6)
     fired = 0
     for _ in range(25):
-        b, n = rng.randint(1, 4), rng.randint(1, 7)
-        seqs = []
-        for _ in range(b):
-            output = [rng.randrange(alphabet) for _ in range(rng.randint(0, 5))]
-            params = random_params(rng, v) if rng.random() < 0.3 else SamplingParams()
-            seqs.append(make_seq([rng.randrange(v) for _ in range(rng.randint(1, 6))], output,
-                                 with_words(params, words_near(rng, output, alphabet))))
-        parents = [random_tree(rng, n) if rng.random() < 0.5 else list(range(-1, n - 1)) for _ in range(b)]
-        tokens = torch.randint(alphabet, (b, n), generator=gen)
-        logits = torch.randn(b, n, v, generator=gen) * 3
-        got = process_tree_logits(logits, seqs, tokens, torch.tensor(parents))
-        for r, seq in enumerate(seqs):
-            tree = DraftTree(tokens[r].tolist(), parents[r])
-            for j in range(n):
-                path, node = [], j
-                while node > 0:
-                    path.insert(0, tree.tokens[node])
-                    node = tree.parents[node]
-                want = reference(logits[r, j], seq, seq.output_token_ids + path)
-                assert close(got[r, j], want)
-                fired += int(torch.isinf(want).sum() > torch.isinf(logits[r, j]).sum())
+        seqs = random_seqs(rng, rng.randint(1, 4), v, alphabet, 5)
+        fired += nodes_see_their_paths(rng, gen, seqs, v, alphabet, reference)
     assert fired > 30, "bad words must ban tokens at draft nodes"
 
 

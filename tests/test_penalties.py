@@ -121,28 +121,43 @@ def random_tree(rng: random.Random, n: int) -> list[int]:
     return [-1] + [rng.randrange(i) for i in range(1, n)]
 
 
+def path_of(tree: DraftTree, j: int) -> list[int]:
+    """The drafts from the root (left out) down to node j."""
+    path = []
+    while j > 0:
+        path.insert(0, tree.tokens[j])
+        j = tree.parents[j]
+    return path
+
+
+def nodes_see_their_paths(rng: random.Random, gen: torch.Generator, seqs: list, v: int, alphabet: int,
+                          reference) -> int:
+    """Random trees of drafts from range(alphabet) over seqs: process_tree_logits after each node equals
+    reference(logits, seq, output tokens + the node's path). Returns how many nodes it sets more logits -inf at."""
+    b, n = len(seqs), rng.randint(1, 7)
+    parents = [random_tree(rng, n) if rng.random() < 0.5 else list(range(-1, n - 1)) for _ in range(b)]
+    tokens = torch.randint(alphabet, (b, n), generator=gen)
+    logits = torch.randn(b, n, v, generator=gen) * 3
+    got = process_tree_logits(logits, seqs, tokens, torch.tensor(parents))
+    banned = 0
+    for r, seq in enumerate(seqs):
+        tree = DraftTree(tokens[r].tolist(), parents[r])
+        for j in range(n):
+            want = reference(logits[r, j], seq, seq.output_token_ids + path_of(tree, j))
+            assert close(got[r, j], want)
+            banned += int(torch.isinf(want).sum() > torch.isinf(logits[r, j]).sum())
+    return banned
+
+
 def test_each_draft_node_sees_its_path():
     rng, v = random.Random(1), 40
     gen = torch.Generator().manual_seed(1)
     for _ in range(15):
-        b, n = rng.randint(1, 5), rng.randint(1, 7)
         seqs = [make_seq([rng.randrange(v) for _ in range(rng.randint(1, 10))],
                          [rng.randrange(v) for _ in range(rng.randint(0, 8))], random_params(rng, v))
-                for _ in range(b)]
-        parents = [random_tree(rng, n) if rng.random() < 0.5 else list(range(-1, n - 1)) for _ in range(b)]
-        tokens = torch.randint(v, (b, n), generator=gen)
-        logits = torch.randn(b, n, v, generator=gen) * 3
-        got = process_tree_logits(logits, seqs, tokens, torch.tensor(parents))
-        for r, seq in enumerate(seqs):
-            tree = DraftTree(tokens[r].tolist(), parents[r])
-            for j in range(n):
-                path, node = [], j
-                while node > 0:
-                    path.insert(0, tree.tokens[node])
-                    node = tree.parents[node]
-                want = hf_process(logits[r, j], seq.params, seq.token_ids[:seq.num_prompt_tokens],
-                                  seq.output_token_ids + path, stops_of(seq))
-                assert close(got[r, j], want)
+                for _ in range(rng.randint(1, 5))]
+        nodes_see_their_paths(rng, gen, seqs, v, v, lambda logits, seq, output: hf_process(
+            logits, seq.params, seq.token_ids[:seq.num_prompt_tokens], output, stops_of(seq)))
 
 
 def test_min_tokens_at_draft_nodes_worked_example():
