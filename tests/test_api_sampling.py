@@ -154,3 +154,36 @@ def test_bad_words_are_never_generated(server, llm):  # noqa: F811
     for blank in (["  "], "word"):
         r = post(server, {"prompt": "x", "bad_words": blank})
         assert r.status_code == 400 and "bad_words" in r.text, r.text
+
+
+def test_logprobs_name_tokens_by_id_when_asked(server, llm, model):  # noqa: F811
+    """vLLM's return_tokens_as_token_ids: 'token_id:N' wherever logprobs name a token, N the token sampled."""
+    [ref] = llm.generate([PROMPTS[1]], greedy(6, logprobs=2))
+    body = {"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    by_id = post(server, dict(body, return_tokens_as_token_ids=True)).json()["choices"][0]
+    assert by_id["text"] == ref.text
+    assert by_id["logprobs"]["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    tops = [name for top in by_id["logprobs"]["top_logprobs"] for name in top]
+    assert len(tops) >= 6 and all(name.startswith("token_id:") and int(name[9:]) < vocab_size(model) for name in tops)
+    as_text = post(server, dict(body, return_tokens_as_token_ids=False)).json()["choices"][0]
+    assert as_text["logprobs"]["tokens"] == [llm.tokenizer.decode([t]) for t in ref.token_ids]
+    chat = httpx.post(server.url + "/v1/chat/completions", headers=server.headers, timeout=60, json={
+        "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    for entry in chat["logprobs"]["content"]:
+        assert entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
+        assert entry["top_logprobs"][0]["token"].startswith("token_id:")
+    ids = [int(entry["token"].split(":")[1]) for entry in chat["logprobs"]["content"]]
+    assert llm.tokenizer.decode(ids) == chat["message"]["content"]
+
+
+def test_the_server_flag_sets_the_default_naming():
+    from specserve.server.options import ServerOptions
+    from specserve.server.protocol import CompletionRequest
+    from specserve.server.state import ServerState
+
+    for flag in (False, True):
+        state = ServerState(ServerOptions(return_tokens_as_token_ids=flag), "m")
+        for asked, by_id in ((None, flag), (True, True), (False, False)):
+            req = CompletionRequest(prompt="x", return_tokens_as_token_ids=asked)
+            assert (state.token_names(req) is state.token_ids) == by_id

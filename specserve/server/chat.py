@@ -160,7 +160,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     engine, req = await parse_request(request, state, ChatCompletionRequest)
     sub = await submission(engine, state, req)
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", state.model_name)
-    formatters = [ChatFormatter(envelope, state.token_text, req.logprobs, index,
+    formatters = [ChatFormatter(envelope, state.token_names(req), req.logprobs, index,
                                 reasoning_parser=state.options.reasoning_parser, tools=sub.tool_parser,
                                 guided=sub.params.guided, frame=sub.frame, schemas=req.template_tools())
                   for index in range(req.num_choices)]

@@ -143,7 +143,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
                       if req.echo else None)
     await check_grammar(engine.tokenizer, prompts[0][1], guided_param(req))
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", state.model_name)
-    formatters = [CompletionFormatter(envelope, state.token_text, req.logprobs is not None, i * req.num_choices + j,
+    names = state.token_names(req)
+    formatters = [CompletionFormatter(envelope, names, req.logprobs is not None, i * req.num_choices + j,
                                       echo=echoes[i], prompt_logprobs=req.prompt_logprobs)
                   for i in range(len(prompts)) for j in range(req.num_choices)]
     return await respond(request, state, req, prompts, formatters, options=state.request_options(req))

@@ -39,6 +39,9 @@ class ServerOptions:
                                               "with a warning naming them, as vLLM does)")
     allowed_origins: Optional[str] = _opt(None, "comma-separated origins whose web pages may call the API (CORS; "
                                                 "'*' for any); none by default")
+    return_tokens_as_token_ids: bool = _opt(False, "logprobs name each token 'token_id:N' instead of its text, "
+                                                   "for tokens whose text is no valid UTF-8 alone (vLLM's flag; a "
+                                                   "request's return_tokens_as_token_ids overrides it)")
     enable_prompt_tokens_details: bool = _opt(False, "usage carries prompt_tokens_details.cached_tokens, the prompt "
                                                      "tokens found in the prefix cache (vLLM's flag)")
     responses_store_size: int = _opt(0, "keep the latest N /v1/responses responses in memory, for "

@@ -310,6 +310,8 @@ class SamplingRequest(SamplingFields):
     guided_regex: Optional[NonEmpty] = None
     guided_choice: Optional[Choices] = None
     guided_grammar: Optional[NonEmpty] = None
+    return_tokens_as_token_ids: Optional[bool] = Field(None, description="vLLM's: logprobs name tokens "
+                                                                         "'token_id:N' (default: the server's flag)")
 
     _unsupported = field_validator(*UNSUPPORTED, mode="before", check_fields=False)(_neutral_only)
 

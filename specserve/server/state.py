@@ -39,6 +39,7 @@ class ServerState:
         self.engine: Optional[AsyncEngine] = None
         self.requests: Optional[RequestRegistry] = None
         self.token_text: Optional[TokenText] = None
+        self.token_ids = TokenText(None)  # 'token_id:N' for every token
         self.startup_error: Optional[BaseException] = None
         self.metrics = ServerMetrics(model_name, lambda: self.engine)
         self.responses = ResponseStore(options.responses_store_size)
@@ -85,6 +86,13 @@ class ServerState:
             raise bad_request(f"priority {req.priority} needs --scheduling-policy priority (this server schedules "
                               f"{policy})", "priority")
         return RequestOptions(lora, req.priority, req.cache_salt)
+
+    def token_names(self, req) -> TokenText:
+        """How a request's logprobs name tokens: their text, or 'token_id:N' (return_tokens_as_token_ids)."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids is None:
+            as_ids = self.options.return_tokens_as_token_ids
+        return self.token_ids if as_ids else self.token_text
 
     def health(self) -> tuple[int, dict]:
         """(HTTP status, body) for /health: 200 only while serving with a healthy engine."""
