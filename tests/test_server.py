@@ -404,6 +404,43 @@ def test_sglang_generate(server, llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_sglang_generate_logprobs(server, llm):
+    """SGLang's return_logprob on /generate: [logprob, token id, text or null] per output token, and per prompt
+    token from logprob_start_len (the first prompt token's logprob null), with top_logprobs_num alternatives; the
+    offline engine's logprobs."""
+    [ref] = llm.generate([PROMPTS[2]], greedy(6, logprobs=2, prompt_logprobs=2))
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def meta(**fields) -> dict:
+        r = httpx.post(server.url + "/generate", headers=server.headers, timeout=60,
+                       json=dict(text=PROMPTS[2], sampling_params=sp, **fields))
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]
+
+    plain = meta(return_logprob=True)
+    assert [e[1] for e in plain["output_token_logprobs"]] == ref.token_ids and plain["input_token_logprobs"] == []
+    assert [e[0] for e in plain["output_token_logprobs"]] == pytest.approx([lp.logprob for lp in ref.logprobs],
+                                                                          abs=1e-4)
+    assert all(e[2] is None for e in plain["output_token_logprobs"]) and "output_top_logprobs" not in plain
+    full = meta(return_logprob=True, top_logprobs_num=2, logprob_start_len=0, return_text_in_logprobs=True)
+    prompt = full["input_token_logprobs"]
+    assert [e[1] for e in prompt] == ref.prompt_token_ids and prompt[0][0] is None and full["input_top_logprobs"][0] \
+        is None
+    assert [e[0] for e in prompt[1:]] == pytest.approx([lp.logprob for lp in ref.prompt_logprobs[1:]], abs=1e-4)
+    assert [e[2] for e in full["output_token_logprobs"]] == [llm.tokenizer.decode([t]) for t in ref.token_ids]
+    assert [[e[1] for e in top] for top in full["output_top_logprobs"]] == [[t for t, _ in lp.top]
+                                                                           for lp in ref.logprobs]
+    assert len(meta(return_logprob=True, logprob_start_len=3)["input_token_logprobs"]) == len(ref.prompt_token_ids) - 3
+    assert "output_token_logprobs" not in meta(return_logprob=False, top_logprobs_num=2)
+    for fields, param in [({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+                          ({"return_logprob": True, "logprob_start_len": 10_000}, "logprob_start_len"),
+                          ({"return_logprob": [True, False]}, "return_logprob"),
+                          ({"return_logprob": True, "token_ids_logprob": [1, 2]}, "token_ids_logprob")]:
+        r = httpx.post(server.url + "/generate", headers=server.headers, timeout=30,
+                       json=dict(text=PROMPTS[2], sampling_params=sp, **fields))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def client_text(server, prompt: str, **kw) -> str:
     return server.client().completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True},
                                               **kw).choices[0].text

@@ -3,15 +3,22 @@
 `text` (a string or a list of them) or `input_ids` (a list of ids or a list of lists), `sampling_params` (one
 dict for all, or one per prompt: max_new_tokens (default 128), temperature, top_p, top_k, min_p, the
 penalties, min_new_tokens, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, n, regex,
-json_schema, ebnf, logit_bias, seed), `stream`, `lora_path` (a served adapter's name). The answer, per prompt
-(and choice): `text`, `output_ids` and `meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort",
-and "length" for length}, `prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix
-cache); one object for one prompt, a list for a list. Streamed, each event is the object so far (cumulative
-text, with `index` for a list), then `data: [DONE]`.
+json_schema, ebnf, logit_bias, seed), `stream`, `lora_path` (a served adapter's name), and SGLang's logprob fields
+(each one value, or one per prompt): `return_logprob`, `top_logprobs_num` (0-20), `logprob_start_len` (-1, the
+default: output tokens only), `return_text_in_logprobs`. The answer, per prompt (and choice): `text`, `output_ids`
+and `meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort", and "length" for length},
+`prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix cache; with return_logprob
+`output_token_logprobs` and `input_token_logprobs`, [logprob, token id, text or null] per token (the prompt's from
+logprob_start_len on, its first token's logprob null; none for -1, where SGLang's servers give the last prompt
+token), and with top_logprobs_num `output_top_logprobs` / `input_top_logprobs`, such a list per position); one
+object for one prompt, a list for a list. Streamed, each event is the object so far (cumulative text, with `index`
+for a list), then `data: [DONE]`.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from fastapi import Request
@@ -19,10 +26,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..engine.engine import RequestError, RequestOutput
-from ..engine.sequence import RequestOptions
+from ..engine.sequence import RequestOptions, TokenLogprob
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import bad_request, from_validation_error
-from .formatting import Envelope, Formatter
+from .formatting import Envelope, Formatter, TokenText, json_logprob
 from .generation import choice_params, respond
 from .state import ServerState
 
@@ -44,6 +51,11 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     rid: Optional[str] = None
     lora_path: Optional[str] = None  # the name of a served LoRA adapter (SGLang's field)
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    top_logprobs_num: Optional[Union[int, list[int]]] = None
+    logprob_start_len: Optional[Union[int, list[int]]] = None
+    return_text_in_logprobs: bool = False
+    token_ids_logprob: Optional[Any] = None  # refused: logprobs of chosen tokens are not computed here
 
     @property
     def include_usage(self) -> bool:  # what the shared stream writer asks of an OpenAI request
@@ -71,6 +83,61 @@ class GenerateRequest(BaseModel):
     @property
     def num_choices(self) -> int:  # per job, as `respond` reads it: each of a prompt's n choices is a job here
         return 1
+
+    def logprob_ask(self, i: int, count: int, prompt_len: int, names: TokenText) -> Optional["LogprobAsk"]:
+        """What prompt i (of count) asks of logprobs, checked; None: nothing."""
+        if self.token_ids_logprob is not None:
+            raise bad_request("token_ids_logprob is not supported: ask for top_logprobs_num", "token_ids_logprob")
+
+        def value(name: str, default):
+            given = getattr(self, name)
+            if isinstance(given, list):
+                if len(given) != count:
+                    raise bad_request(f"{count} prompts but {len(given)} values of {name}", name)
+                given = given[i]
+            return default if given is None else given
+
+        if not value("return_logprob", False):
+            return None
+        top, start = value("top_logprobs_num", 0), value("logprob_start_len", -1)
+        if not 0 <= top <= 20:
+            raise bad_request(f"top_logprobs_num must be in [0, 20], got {top}", "top_logprobs_num")
+        if not -1 <= start < prompt_len:
+            raise bad_request(f"logprob_start_len must be -1 or a position in the prompt (its {prompt_len} tokens), "
+                              f"got {start}", "logprob_start_len")
+        return LogprobAsk(start, top, names if self.return_text_in_logprobs else None)
+
+
+@dataclass(frozen=True)
+class LogprobAsk:
+    """SGLang's logprobs for one prompt: its tokens from `start` (-1: none), `top` alternatives a position, token
+    texts from `names` (None: null)."""
+
+    start: int
+    top: int
+    names: Optional[TokenText]
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        return dataclasses.replace(params, logprobs=self.top, prompt_logprobs=self.top if self.start >= 0 else None)
+
+    def _entry(self, logprob: Optional[float], token_id: int) -> list:
+        return [None if logprob is None else json_logprob(logprob), token_id,
+                self.names(token_id) if self.names is not None else None]
+
+    def _top(self, lp: Optional[TokenLogprob]) -> Optional[list]:
+        return None if lp is None else [self._entry(v, t) for t, v in lp.top]
+
+    def meta_info(self, out: RequestOutput) -> dict:
+        """The meta_info fields of out's logprobs so far."""
+        output = list(zip(out.token_ids, out.logprobs[:out.num_output_tokens]))
+        prompt = list(zip(out.prompt_token_ids, out.prompt_logprobs))[self.start:] \
+            if self.start >= 0 and out.prompt_logprobs is not None else []
+        meta = {"input_token_logprobs": [self._entry(lp and lp.logprob, t) for t, lp in prompt],
+                "output_token_logprobs": [self._entry(lp.logprob, t) for t, lp in output]}
+        if self.top:
+            meta.update(input_top_logprobs=[self._top(lp) for _, lp in prompt],
+                        output_top_logprobs=[self._top(lp) for _, lp in output])
+        return meta
 
 
 def _sglang_params(options: dict[str, Any], defaults: dict[str, Any], room: int, param: str
@@ -108,9 +175,10 @@ def _sglang_params(options: dict[str, Any], defaults: dict[str, Any], room: int,
 class GenerateFormatter(Formatter):
     """One prompt's choice in SGLang's shape."""
 
-    def __init__(self, envelope: Envelope, index: Optional[int]):
+    def __init__(self, envelope: Envelope, index: Optional[int], logprobs: Optional[LogprobAsk] = None):
         super().__init__(envelope, None, False, index or 0)
         self.list_index = index  # None for a single prompt
+        self.ask = logprobs
         self.last: Optional[RequestOutput] = None  # streamed: the latest output
 
     def _object(self, out: Optional[RequestOutput], finish_reason: Optional[str]) -> dict:
@@ -124,6 +192,8 @@ class GenerateFormatter(Formatter):
             body.update(text=out.text, output_ids=out.token_ids)
             meta.update(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                         cached_tokens=out.num_cached_tokens)
+            if self.ask is not None:
+                meta.update(self.ask.meta_info(out))
         if self.list_index is not None:
             body["index"] = self.list_index
         return body
@@ -168,9 +238,11 @@ async def generate(request: Request, state: ServerState) -> Response:
             raise bad_request(str(e), param if not req.batched else f"{param}.{i}") from None
         params, n = _sglang_params(opts, core.generation.sampling, core.config.model.max_model_len - len(ids),
                                    "sampling_params" if not req.batched else f"sampling_params.{i}")
+        ask = req.logprob_ask(i, len(prompts), len(ids), state.token_text)
+        params = ask.params(params) if ask is not None else params
         for choice in choice_params(params, n):  # seeded: choice j uses seed + j, as on /v1/*
             jobs.append((ids, choice))
-            formatters.append(GenerateFormatter(envelope, len(formatters) if req.batched or n > 1 else None))
+            formatters.append(GenerateFormatter(envelope, len(formatters) if req.batched or n > 1 else None, ask))
     if req.lora_path is not None and req.lora_path not in state.adapters:
         served = ", ".join(state.adapters) or "none"
         raise bad_request(f"unknown LoRA adapter {req.lora_path!r} (this server serves: {served})", "lora_path")
