@@ -57,3 +57,8 @@ class LLM:
                 engine.abort(rid)
             raise
         return [final[rid] for rid in ids]
+
+    def update_weights(self, folder: str, load_format: str = "safetensors") -> None:
+        """Generate with the weights in `folder` from now on: a checkpoint of the same architecture and shapes
+        (`LLMEngine.update_weights`)."""
+        self.engine.update_weights(folder, load_format)

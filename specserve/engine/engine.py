@@ -13,7 +13,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..device import to_device
-from ..models import ArchConfig, GenerationDefaults, read_config
+from ..models import ArchConfig, GenerationDefaults, WeightError, read_config
 from ..sampling_params import SamplingParams
 from ..speculative.batch_verify import process_drafts
 from ..speculative.decoder import LoopFlight, SpecDecoder
@@ -62,6 +62,10 @@ class InFlight:
 
 class RequestError(ValueError):
     """A request is invalid (the message names the problem); nothing else is affected."""
+
+
+class EngineBusy(RequestError):
+    """What was asked needs the engine idle (no request holding KV blocks), and it is not."""
 
 
 class LoadedLoRA(NamedTuple):
@@ -211,6 +215,7 @@ class LLMEngine:
                       for slot, (name, folder) in enumerate(config.lora.modules.items(), start=1)}
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # the order requests were added in
+        self.weights = (config.model.model, config.model.load_format)  # where the served weights came from
         self.stats = EngineStats(spec=spec_stats, prefix_cache=self.blocks.stats)
 
     @property
@@ -288,12 +293,39 @@ class LLMEngine:
         del self.loras[name]
         self.runner.unload_adapter(slot)
 
+    def update_weights(self, folder: str, load_format: str = "safetensors") -> None:
+        """Serve the weights in `folder` from now on (SGLang's update_weights_from_disk): a checkpoint of the same
+        architecture and shapes, loaded in place on every rank, so CUDA graphs stay valid; the prefix cache is
+        emptied (its KV came from the old weights); a drafter stays as it is. RequestError while requests hold KV
+        blocks, or for a folder whose config.json differs; WeightError when its tensors do not load (the weights
+        served before are loaded back first)."""
+        self._check_idle("update the weights")
+        try:
+            arch = ArchConfig.from_dict(read_config(folder)) if load_format != "dummy" else self.arch
+        except (OSError, ValueError) as e:
+            raise RequestError(f"cannot read {folder!r}: {e}") from None
+        differ = [f for f in self.arch.__dataclass_fields__ if f != "raw" and getattr(arch, f) != getattr(self.arch, f)]
+        if differ:
+            raise RequestError(f"{folder!r} is not the served model's architecture and shapes: {', '.join(differ)} "
+                               f"differ")
+        error = self.runner.update_weights(folder, load_format, self.weights)
+        self.blocks.reset()
+        if error is not None:
+            raise WeightError(f"{folder!r} did not load ({error}); the weights from {self.weights[0]!r} are back")
+        self.weights = (folder, load_format)
+        log.info("serving the weights of %s", folder)
+
+    def _check_idle(self, what: str) -> None:
+        holders = sum(1 for seq in self.requests.values() if seq.block_table)
+        if holders:
+            raise EngineBusy(f"{holders} request(s) hold KV blocks: {what} when none runs")
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, on the device and in the host tier (vLLM's reset_prefix_cache). RequestError
         while requests hold KV blocks: cached blocks they share cannot be forgotten under them."""
-        holders = sum(1 for seq in self.requests.values() if seq.block_table)
-        if holders or not self.blocks.reset():
-            raise RequestError(f"{holders} request(s) hold KV blocks: reset the prefix cache when none runs")
+        self._check_idle("reset the prefix cache")
+        if not self.blocks.reset():
+            raise RequestError("cached KV blocks are still in use: reset the prefix cache when no request runs")
 
     def check_options(self, options: RequestOptions) -> int:
         """The slot of the request's adapter (0: none). RequestError for an adapter this engine does not serve,

@@ -18,7 +18,7 @@ from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
-from ..models import ArchConfig, load_model
+from ..models import ArchConfig, WeightError, fill_weights, load_model
 from ..models.lora import clear as clear_lora
 from ..models.lora import load_adapter
 from ..models.lora import reserve as reserve_lora
@@ -145,6 +145,26 @@ class ModelRunner:
     def _own_aux(self, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
         """The auxiliary layers this rank outputs: all on rank 0 (the draft is rank 0's), none elsewhere."""
         return aux_layers if not self.ranks or self.ranks.rank == 0 else ()
+
+    # ---- weights ------------------------------------------------------------------------------
+    def update_weights(self, folder: str, load_format: str, fallback: tuple[str, str]) -> Optional[str]:
+        """Load folder's weights into the model in place on every rank (CUDA graphs keep reading the same
+        tensors); when they do not load, the weights of fallback (folder, load_format) are loaded back and the
+        error's message is returned (None: loaded)."""
+        return self._everywhere("_reload", folder, load_format, fallback)
+
+    def _reload(self, folder: str, load_format: str, fallback: tuple[str, str]) -> Optional[str]:
+        error = None
+        try:
+            fill_weights(self.model, folder, load_format, self.config.model.seed)
+        except (WeightError, OSError, ValueError) as e:
+            error = str(e)
+            fill_weights(self.model, *fallback, self.config.model.seed)
+        if self.config.speculative.enabled:  # a collective: every rank gathers, rank 0 keeps a copy under TP
+            whole = self.model.embedding().whole()
+            if self.draft_embedding is not None and self.draft_embedding is not whole:
+                self.draft_embedding.weight.data.copy_(whole.weight)
+        return error
 
     # ---- LoRA adapters ----------------------------------------------------------------------
     def load_adapter(self, folder: str, slot: int) -> None:

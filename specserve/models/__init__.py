@@ -2,8 +2,8 @@
 implements interface.CausalLM."""
 from .config import ARCHITECTURES, ArchConfig, GenerationDefaults, UnsupportedModel, read_config
 from .interface import CausalLM
-from .loader import WeightError, load_model
+from .loader import WeightError, fill_weights, load_model
 from .registry import MODELS, model_class
 
 __all__ = ["ARCHITECTURES", "MODELS", "ArchConfig", "CausalLM", "GenerationDefaults", "UnsupportedModel",
-           "WeightError", "load_model", "model_class", "read_config"]
+           "WeightError", "fill_weights", "load_model", "model_class", "read_config"]

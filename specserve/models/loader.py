@@ -123,15 +123,21 @@ def build(cls, config, dtype: torch.dtype, device: torch.device, *collaborators)
         torch.set_default_dtype(previous)
 
 
+def fill_weights(model: nn.Module, folder: str, load_format: str = "safetensors", seed: int = 0) -> None:
+    """Fill a built model's parameters in place: from the folder's safetensors (FP8 ones dequantized), or
+    dummy weights drawn from seed. WeightError when the checkpoint does not fit the model."""
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+        return
+    quantization = check_quantization(read_config(folder).get("quantization_config"))
+    load_weights(model, iterate_tensors(folder, quantization), type(model).packed_modules)
+
+
 def load_model(folder: str, dtype: torch.dtype, device: torch.device, load_format: str = "safetensors",
                seed: int = 0) -> CausalLM:
     """The registered family for the folder's config.json (registry.MODELS), built and filled."""
     arch = ArchConfig.from_dict(read_config(folder))
-    quantization = check_quantization(arch.raw.get("quantization_config"))
-    cls = model_class(arch.architecture)
-    model = build(cls, arch, dtype, device)
-    if load_format == "dummy":
-        dummy_weights(model, seed)
-    else:
-        load_weights(model, iterate_tensors(folder, quantization), cls.packed_modules)
+    check_quantization(arch.raw.get("quantization_config"))  # before the model takes its memory
+    model = build(model_class(arch.architecture), arch, dtype, device)
+    fill_weights(model, folder, load_format, seed)
     return model.eval()

@@ -42,6 +42,7 @@ from .responses import (
 from .responses_api import create_response, stored_response
 from .state import ServerState
 from .tokenize import detokenize, tokenize
+from .weights_api import add_weight_routes
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     if state.options.allow_runtime_lora_updating:
         add_lora_routes(app, state)
+    add_weight_routes(app, state)
 
     @app.post("/generate", responses=_errors(400, 401, 413, 429, 500, 503))
     async def generate_route(request: Request) -> Response:
