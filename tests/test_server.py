@@ -153,6 +153,14 @@ def metric(text: str, name: str) -> float:
 # ---- serving ------------------------------------------------------------------------------------
 def test_health_models_metrics_and_keys(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}  # open without a key
+    tokens = lambda: metric(httpx.get(server.url + "/metrics").text, "specserve:generation_tokens_total")  # noqa: E731
+    generated = tokens()
+    for method, path in (("GET", "/ping"), ("POST", "/ping"), ("GET", "/health_generate")):  # vLLM's, SGLang's
+        r = httpx.request(method, server.url + path, timeout=30)
+        assert (r.status_code, r.json()) == (200, {"status": "ok"}), (method, path)
+    assert tokens() == generated + 1  # /health_generate's one token
+    assert httpx.get(server.url + "/get_server_info").status_code == 401
+    assert httpx.get(server.url + "/get_server_info", headers=server.headers).json()["model"] == MODEL
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
     [card] = client.models.list().data
     assert card.id == MODEL and card.max_model_len == 1024

@@ -36,10 +36,11 @@ def test_while_starting_everything_but_metrics_is_503():
     async def main():
         return [await call(app, "GET", "/health"), await call(app, "GET", "/v1/models"),
                 await call(app, "POST", "/v1/completions", json={"prompt": "x"}),
-                await call(app, "GET", "/metrics")]
+                await call(app, "GET", "/metrics"), await call(app, "GET", "/health_generate")]
 
-    health, models, completion, metrics = asyncio.run(main())
+    health, models, completion, metrics, deep = asyncio.run(main())
     assert health.status_code == 503 and health.json() == {"status": "starting"}
+    assert (deep.status_code, deep.json()) == (503, {"status": "starting"})
     assert assert_openai_error(models, 503)["type"] == "service_unavailable_error"
     assert "loading" in assert_openai_error(completion, 503)["message"]
     assert metrics.status_code == 200
@@ -63,18 +64,20 @@ def test_a_stopped_engine_fails_requests_with_500(tmp_path):
             await asyncio.sleep(0.01)
         await asyncio.to_thread(engine.shutdown)  # the engine thread stops under a running request
         failed = await asyncio.wait_for(in_flight, 10)
-        after = [await call(app, "GET", "/health"), await call(app, "POST", "/v1/completions", json=body)]
+        after = [await call(app, "GET", "/health"), await call(app, "POST", "/v1/completions", json=body),
+                 await call(app, "GET", "/health_generate")]
         watcher.cancel()
         return healthy, failed, after
 
     try:
-        healthy, failed, (health, refused) = asyncio.run(main())
+        healthy, failed, (health, refused, deep) = asyncio.run(main())
     finally:
         engine.shutdown()
     assert healthy.status_code == 200
     assert assert_openai_error(failed, 500)["type"] == "server_error"
     assert health.status_code == 503 and health.json()["status"] == "failed"
     assert "engine has failed" in assert_openai_error(refused, 500)["message"]
+    assert deep.status_code == 503 and deep.json()["status"] == "failed"
 
 
 def test_controller_explanation_as_metrics():

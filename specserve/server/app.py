@@ -2,8 +2,10 @@
 503 carry Retry-After. /openapi.json and /docs describe the API with the models of `protocol`."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -15,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from .. import __version__
 from ..engine.engine import RequestError
+from ..sampling_params import SamplingParams
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
@@ -46,7 +49,8 @@ from .weights_api import add_weight_routes
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # no API key needed
+OPEN_PATHS = ("/health", "/health_generate", "/ping", "/metrics", "/version", "/openapi.json", "/docs")  # no key
+HEALTH_GENERATE_TIMEOUT = 20.0  # seconds SGLang's /health_generate waits for its token
 # the routes read them from the raw request
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
 CHUNK_MODELS = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent)  # the JSON of streamed events
@@ -156,8 +160,22 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return card
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    @app.get("/ping", response_model=Health, responses={503: {"model": Health}})  # vLLM's, for SageMaker
+    @app.post("/ping", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
         status, body = state.health()
+        return JSONResponse(body, status_code=status, headers=retry_after(status))
+
+    @app.get("/health_generate", response_model=Health, responses={503: {"model": Health}})
+    async def health_generate() -> JSONResponse:
+        """SGLang's deeper probe: /health's answer, once one token has been generated end to end (input id 0,
+        greedy) within HEALTH_GENERATE_TIMEOUT seconds; 503 otherwise."""
+        status, body = state.health()
+        if status == 200:
+            try:
+                await asyncio.wait_for(_one_token(state.serving_engine()), HEALTH_GENERATE_TIMEOUT)
+            except Exception as e:  # noqa: BLE001 (any failure is an unhealthy answer)
+                status, body = 503, {"status": "failed", "error": f"no token generated: {e!r}"}
         return JSONResponse(body, status_code=status, headers=retry_after(status))
 
     @app.get("/version", response_model=Version)
@@ -169,6 +187,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info", response_model=dict, responses=_errors(401))
+    @app.get("/get_server_info", response_model=dict, responses=_errors(401))  # SGLang's older path
     async def server_info() -> JSONResponse:
         return JSONResponse(state.info())
 
@@ -236,3 +255,9 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
         return await detokenize(request, state)
 
     return app
+
+
+async def _one_token(engine) -> None:
+    async for _ in engine.generate([0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                                   f"health-{uuid.uuid4().hex}"):
+        pass
