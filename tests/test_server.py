@@ -449,6 +449,43 @@ def test_sglang_generate_logprobs(server, llm):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_sglang_abort_request_ends_a_request_with_what_it_has(server, client):
+    """SGLang's POST /abort_request: the request of that rid (a /generate rid, or a /v1 response id) answers at
+    once with its output so far, finish reason "abort"; abort_all ends every request."""
+    import concurrent.futures
+
+    sp = {"max_new_tokens": 900, "ignore_eos": True, "temperature": 0}
+    gen = lambda body: httpx.post(server.url + "/generate", headers=server.headers, timeout=60, json=body)  # noqa
+    abort = lambda body: httpx.post(server.url + "/abort_request", headers=server.headers, json=body)  # noqa
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        one = pool.submit(gen, {"text": PROMPTS[0], "rid": "long-one", "sampling_params": sp})
+        many = pool.submit(gen, {"text": PROMPTS[:2], "rid": "long-two", "sampling_params": sp})
+        wait_running(server, 3)
+        assert abort({"rid": "long-one"}).status_code == 200
+        body = one.result()
+        assert body.status_code == 200, body.text
+        meta = body.json()["meta_info"]
+        assert meta["finish_reason"] == {"type": "abort"} and 0 < meta["completion_tokens"] < 900
+        assert len(body.json()["output_ids"]) == meta["completion_tokens"] and not many.done()
+        streamed = pool.submit(lambda: client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=900,
+                                                                 extra_body={"ignore_eos": True}))
+        wait_running(server, 3)
+        assert abort({"abort_all": True}).status_code == 200
+        assert [m["meta_info"]["finish_reason"]["type"] for m in many.result().json()] == ["abort", "abort"]
+        assert streamed.result().choices[0].finish_reason == "abort"
+    assert abort({}).status_code == 400 and abort({"rid": "nobody"}).status_code == 200
+    wait_idle(server)
+
+
+def wait_running(server, count: int, timeout: float = 30) -> None:
+    """Until `count` requests are running in the engine, and a little longer."""
+    deadline = time.monotonic() + timeout
+    while metric(httpx.get(server.url + "/metrics").text, "specserve:num_requests_running") < count:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.02)
+    time.sleep(0.3)  # a few tokens each
+
+
 def client_text(server, prompt: str, **kw) -> str:
     return server.client().completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True},
                                               **kw).choices[0].text

@@ -134,8 +134,10 @@ class AsyncEngine:
                 except Exception as e:
                     outcome = (future.set_exception, e)
                 loop.call_soon_threadsafe(_settle, future, *outcome)
-            else:
-                self.engine.abort(cmd[1])
+            else:  # a reader still listening gets the request's output so far, finished with reason "abort"
+                out = self.engine.abort(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
 
     def _run(self, config: EngineConfig, built: threading.Event) -> None:
         """Build the engine here, the thread that steps it: torch's CPU workers (OpenMP) belong to the thread

@@ -352,11 +352,15 @@ class LLMEngine:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {self.arch.vocab_size})")
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """End a request now (its KV freed); its last output, finished with reason "abort", or None for a request
+        this engine does not have or that had finished."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None and not seq.finished:
-            seq.finish("abort")
-            self.scheduler.finish(seq)
+        if seq is None or seq.finished:
+            return None
+        seq.finish("abort")
+        self.scheduler.finish(seq)
+        return RequestOutput.of(seq, [], "")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None or self.flight is not None

@@ -21,7 +21,7 @@ from ..sampling_params import SamplingParams
 from .chat import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, retry_after, server_error
-from .generate import generate
+from .generate import abort_request, generate
 from .lora_api import add_lora_routes
 from .middleware import ApiKey, BodyLimit
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -245,6 +245,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     async def generate_route(request: Request) -> Response:
         """SGLang's native generation API (server/generate.py)."""
         return await generate(request, state)
+
+    @app.post("/abort_request", responses=_errors(400, 401, 503))
+    async def abort_request_route(request: Request) -> Response:
+        """SGLang's: end a request (or all) now; each answers its output so far, finish reason "abort"."""
+        return await abort_request(request, state)
 
     @app.post("/tokenize", **_tokenizer_docs(TokenizeRequest, TokenizeResponse))
     async def tokenize_route(request: Request) -> Response:

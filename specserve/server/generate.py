@@ -248,3 +248,24 @@ async def generate(request: Request, state: ServerState) -> Response:
         raise bad_request(f"unknown LoRA adapter {req.lora_path!r} (this server serves: {served})", "lora_path")
     return await respond(request, state, req, jobs, formatters, body=_body,
                          options=RequestOptions(lora=req.lora_path))
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    rid: Optional[str] = None
+    abort_all: bool = False
+
+
+async def abort_request(request: Request, state: ServerState) -> Response:
+    """SGLang's POST /abort_request: end the requests of response `rid` (a /generate `rid`, or a /v1 response's
+    id), or all with `abort_all`; each answers what it has so far, finished with reason "abort"."""
+    state.serving_engine()
+    try:
+        req = AbortRequest.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    if not req.rid and not req.abort_all:
+        raise bad_request("send the rid of the request to end, or abort_all: true", "rid")
+    state.requests.finish(None if req.abort_all else req.rid)
+    return Response(status_code=200)

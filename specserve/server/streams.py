@@ -181,6 +181,15 @@ class RequestRegistry:
         except asyncio.TimeoutError:
             return False
 
+    def finish(self, request_id: Optional[str]) -> int:
+        """End the requests of a response id (its one request, or those of its choices: `respond`'s ids), or
+        every request for None, each with its output so far finished with reason "abort"; returns how many."""
+        ended = [s for s in self._streams if request_id is None or s.request_id == request_id
+                 or s.request_id.startswith(f"{request_id}-")]
+        for stream in ended:
+            self.engine.abort(stream.request_id)
+        return len(ended)
+
     def abort_all(self, reason: str) -> None:
         for stream in list(self._streams):
             stream.abort(reason)
