@@ -1,7 +1,7 @@
 """The offline entry point: `LLM(model=...).generate(prompts, sampling_params)`."""
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from .config import EngineConfig
 from .engine.engine import LLMEngine, Prompt, RequestOutput
@@ -57,6 +57,27 @@ class LLM:
                 engine.abort(rid)
             raise
         return [final[rid] for rid in ids]
+
+    def chat(self, messages: Union[list[dict[str, Any]], Sequence[list[dict[str, Any]]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             tools: Optional[list[dict[str, Any]]] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: Optional[dict[str, Any]] = None,
+             lora: Union[str, Sequence[Optional[str]], None] = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: a conversation (a list of {"role", "content"} messages) or a list of them, each through
+        the model's chat template (with `tools` and `chat_template_kwargs`, as /v1/chat/completions renders it),
+        then `generate`. The outputs' text is the raw completion (no tool-call or reasoning parsing)."""
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer, so no chat template: use generate with token ids")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation), tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))  # the template wrote its own
+        return self.generate(prompts, sampling_params, lora=lora)
 
     def update_weights(self, folder: str, load_format: str = "safetensors") -> None:
         """Generate with the weights in `folder` from now on: a checkpoint of the same architecture and shapes

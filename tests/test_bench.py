@@ -82,7 +82,7 @@ def check_totals(level: dict) -> None:
 # ---- bench against a live server ------------------------------------------------------------------
 def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
     result = bench(tmp_path, server.url, "--concurrency", "1,3", "--requests-per-level", "6", "--max-tokens", "8",
-                   "--warmup", "1", "--ignore-eos")
+                   "--warmup", "1", "--ignore-eos", "--goodput", "e2el:600000", "--metric-percentiles", "50,99")
     assert result["model"] == MODEL and [lv["concurrency"] for lv in result["levels"]] == [1, 3]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     prompts = builtin()
@@ -91,6 +91,8 @@ def test_bench_numbers_are_what_the_server_returned(tmp_path, server):
         check_totals(level)
         assert level["mean_accept_length"] is None  # no speculation on this server
         assert 0 < level["mean_ttft_ms"] <= level["mean_e2el_ms"] and level["p99_itl_ms"] > 0
+        assert level["request_goodput"] == level["request_throughput"]  # ten minutes: every request meets it
+        assert level["p50_e2el_ms"] <= level["p99_e2el_ms"]
         for record in level["requests"]:
             r = client.completions.create(model=MODEL, prompt=prompts[record["prompt_index"]].text, max_tokens=8,
                                           temperature=0, extra_body={"ignore_eos": True})
@@ -377,6 +379,43 @@ def test_ratios_of_rounds_are_medians_of_the_rounds_ratios():
     header, rows = compare.throughput_rows({"configurations": [base, other]})
     assert header == ["concurrency", "plain tok/s", "spec tok/s", "spec / plain"]
     assert rows == [["1", "100.0", "150.0", "1.05"], ["4", "200.0", "300.0", "1.50"]]  # not 150 / 100
+
+
+def test_goodput_counts_the_requests_that_meet_every_slo():
+    """A worked example: four completed requests, one failed, over 2 s."""
+    from specserve.bench.client import RequestResult
+    from specserve.bench.report import summarize_level
+
+    def done(ttft, latency, tokens):
+        return RequestResult(0, ok=True, ttft=ttft, latency=latency, prompt_tokens=3, output_tokens=tokens)
+
+    results = [done(0.05, 0.25, 11),  # TPOT 20 ms: meets ttft:100 tpot:20
+               done(0.05, 0.35, 11),  # TPOT 30 ms: too slow a token
+               done(0.20, 0.20, 1),  # one token (TPOT 0): TTFT too late
+               done(0.08, 0.08, 1),  # meets both
+               RequestResult(0, ok=False, error="boom")]
+    level = summarize_level(results, 2.0, 4, None, None, (50.0, 90.0), (("ttft", 100.0), ("tpot", 20.0)))
+    assert level["request_goodput"] == pytest.approx(2 / 2.0) and level["request_throughput"] == 2.0
+    assert level["p50_ttft_ms"] == pytest.approx(65.0) and level["p90_ttft_ms"] == pytest.approx(164.0)
+    assert "p99_ttft_ms" not in level
+    assert summarize_level(results, 2.0, 4, None, None, goodput=(("e2el", 300.0),))["request_goodput"] == 1.5
+    assert summarize_level(results, 2.0, 4, None, None)["request_goodput"] is None
+
+
+def test_goodput_and_percentile_flags():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_sweep_args(parser)
+    options = sweep_options(parser.parse_args(["--goodput", "ttft:500", "tpot:50", "--metric-percentiles",
+                                               "50,99.9"]))
+    assert options.goodput == (("ttft", 500.0), ("tpot", 50.0)) and options.metric_percentiles == (50.0, 99.9)
+    for bad in (["--goodput", "itl:5"], ["--goodput", "ttft"], ["--goodput", "ttft:-1"],
+                ["--metric-percentiles", "0"], ["--metric-percentiles", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    with pytest.raises(ValueError, match="goodput"):
+        SweepOptions(goodput=(("itl", 5.0),))
 
 
 def test_sweep_options_auto_and_rounds():

@@ -253,6 +253,9 @@ def test_greedy_completions_and_chat_equal_offline(client, llm):
     assert message.role == "assistant" and message.content == ref.text  # (no <think> from a random model)
     assert message.tool_calls is None and message.reasoning_content is None
     assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    [offline] = llm.chat(messages, greedy(20))  # vLLM's LLM.chat renders as the server does
+    assert (offline.text, offline.prompt_token_ids) == (ref.text, ref.prompt_token_ids)
+    assert [o.text for o in llm.chat([messages, messages[1:]], greedy(20))][0] == ref.text
 
 
 def test_a_list_of_prompts_gets_n_choices_each(client, llm):

@@ -12,6 +12,7 @@ from typing import Literal, Optional, Union
 AUTO = "auto"  # requests_per_level sized by concurrency: max(AUTO_MIN_REQUESTS, AUTO_PER_SLOT x C)
 AUTO_MIN_REQUESTS = 8
 AUTO_PER_SLOT = 2
+SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may bound (vLLM bench serve's names)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class SweepOptions:
     fresh_prompts: bool = False  # each level (and round) sends the next prompts of the shuffle, not the first N
     lora_modules: tuple[str, ...] = ()  # adapters' names: each request asks for one of them (vLLM bench serve's)
     flush_cache: bool = False  # empty the server's prefix cache before each level (SGLang bench_serving's)
+    goodput: tuple[tuple[str, float], ...] = ()  # (ttft | tpot | e2el, ms): SLOs a request meets to count as good
+    metric_percentiles: tuple[float, ...] = (99.0,)  # pN of every latency, beside the mean and the median
 
     def __post_init__(self) -> None:
         if self.endpoint not in ("completions", "chat"):
@@ -53,6 +56,12 @@ class SweepOptions:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.request_rate is not None and self.request_rate <= 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        for name, ms in self.goodput:
+            if name not in SLO_METRICS or not ms > 0:
+                raise ValueError(f"goodput takes {', '.join(SLO_METRICS)} with a positive number of ms, got "
+                                 f"{name}:{ms}")
+        if not self.metric_percentiles or any(not 0 < p <= 100 for p in self.metric_percentiles):
+            raise ValueError(f"metric_percentiles must be in (0, 100], got {self.metric_percentiles}")
 
     def requests_at(self, concurrency: int) -> int:
         """How many requests the level of `concurrency` sends."""
@@ -89,6 +98,30 @@ def requests_per_level(text: str) -> Union[int, Literal["auto"]]:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1 or {AUTO!r}, got {text!r}") from None
+
+
+def slo(text: str) -> tuple[str, float]:
+    """'ttft:500' -> ('ttft', 500.0)."""
+    name, _, ms = text.partition(":")
+    try:
+        value = float(ms)
+    except ValueError:
+        value = 0.0
+    if name not in SLO_METRICS or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} and MS > 0, "
+                                         f"got {text!r}")
+    return name, value
+
+
+def percentiles(text: str) -> tuple[float, ...]:
+    """'50,90,99' -> (50.0, 90.0, 99.0)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not 0 < p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated percentiles in (0, 100], got {text!r}")
+    return values
 
 
 def positive_int(text: str) -> int:
@@ -137,6 +170,11 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
     g.add_argument("--flush-cache", action="store_true", default=None,
                    help="empty the server's prefix cache before each level and round (POST /flush_cache, SGLang's, "
                         "else /reset_prefix_cache, vLLM's), so that no level reuses another's KV")
+    g.add_argument("--goodput", nargs="+", type=slo, metavar="METRIC:MS",
+                   help="service-level objectives, e.g. ttft:500 tpot:50 (ms; ttft, tpot, e2el): each level also "
+                        "reports request_goodput, the requests a second that met all of them (vLLM bench serve's)")
+    g.add_argument("--metric-percentiles", type=percentiles, metavar="P,P",
+                   help="percentiles of every latency in the JSON, e.g. 50,90,99 (vLLM bench serve's; default: 99)")
     g.add_argument("--rounds", type=positive_int,
                    help="run the whole sweep this many times and keep each level's median round; `compare` then "
                         "starts every configuration's server up front and runs each level on each server in turn "
@@ -146,6 +184,7 @@ def add_sweep_args(parser: argparse.ArgumentParser, model_name: bool = True) -> 
 def sweep_options(args: argparse.Namespace, base: SweepOptions = DEFAULTS) -> SweepOptions:
     """`base` with the flags the user gave."""
     given = {f.name: getattr(args, f.name, None) for f in fields(SweepOptions)}
-    if given["lora_modules"] is not None:
-        given["lora_modules"] = tuple(given["lora_modules"])
+    for name in ("lora_modules", "goodput"):
+        if given[name] is not None:
+            given[name] = tuple(given[name])
     return replace(base, **{name: value for name, value in given.items() if value is not None})

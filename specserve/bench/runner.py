@@ -215,7 +215,8 @@ async def _run_level(client: httpx.AsyncClient, endpoint: Endpoint, prompts: lis
     results, duration = await run_requests(client, endpoint, prompts, concurrency, options.request_rate, rng,
                                            on_done)
     after = await spec_counters(endpoint.base_url, options.api_key)
-    level = summarize_level(results, duration, concurrency, options.request_rate, acceptance_length(before, after))
+    level = summarize_level(results, duration, concurrency, options.request_rate, acceptance_length(before, after),
+                            options.metric_percentiles, options.goodput)
     # verifies (one per request per speculative step) and accepted drafts in the level: how much it speculated
     level["spec_drafts"], level["spec_accepted"] = ((after[0] - before[0], after[1] - before[1])
                                                     if before is not None and after is not None else (None, None))
