@@ -9,7 +9,8 @@ target was not trained on (its corpus.json lists them; the shipped pair's natura
 `default_pair.py`); `builtin`, eight short code headers, which end at a newline, a token boundary the
 pair's tokenizer rarely makes there, so drafts accept less.
 
-`--configs` picks among plain, chain, tree, threshold, adaptive, k0 (speculation on but never drafting:
+`--configs` picks among plain, chain, tree, threshold, adaptive, ngram and ngram-adaptive (prompt lookup,
+chains of up to 4: always, or the adaptive policy's choice), k0 (speculation on but never drafting:
 what a plain step of a speculative engine costs), plain-b (a second plain engine: how far apart two
 identical configurations measure on this machine, the noise floor of every ratio) and, to see what the
 overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`), and to
@@ -66,6 +67,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
         "plain-eager-prompts": dict(speculative_algorithm="none", cuda_graph_max_tokens=0),  # no mixed graphs
         "adaptive-eager-prompts": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
                                        cuda_graph_max_tokens=0),
+        "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always"),
+        "ngram-adaptive": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="adaptive"),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
         "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
                               disable_overlap_schedule=True),

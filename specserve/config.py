@@ -152,9 +152,10 @@ class SpeculativeConfig:
     """SGLang's knobs: draft depth (num_steps), children kept per node (topk; 1 = chain), and tokens
     verified per request counting the root (num_draft_tokens; a chain verifies num_steps + 1)."""
 
-    speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm; unset = EAGLE3 with the "
-                                                      "shipped drafter when the shipped model runs, else off",
-                                                ("EAGLE3", "none"))
+    speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm: EAGLE3 (a draft model) or "
+                                                      "NGRAM (drafts copied from the request's own tokens, chains "
+                                                      "only); unset = EAGLE3 with the shipped drafter when the "
+                                                      "shipped model runs, else off", ("EAGLE3", "NGRAM", "none"))
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE-3 draft checkpoint folder")
     speculative_draft_model_quantization: str = _opt(
         "auto", "the draft's weights: int8 = int8 rows with one scale each (CPU only; its products 2-3x faster there, "
@@ -169,6 +170,10 @@ class SpeculativeConfig:
     speculative_calibration_s: Optional[float] = _opt(
         None, "adaptive policy: seconds the start-up measurement of each shape's step time may take, batch sizes "
               "1, 2, 4, ... in turn (default: 30 on CUDA, 3 on CPU; 0 = learn step times from live steps only)")
+    speculative_ngram_min_match_window_size: int = _opt(2, "NGRAM: the shortest suffix of a request's tokens looked "
+                                                           "up in its earlier tokens (vLLM's prompt_lookup_min)")
+    speculative_ngram_max_match_window_size: int = _opt(5, "NGRAM: the longest suffix looked up, tried first "
+                                                           "(vLLM's prompt_lookup_max)")
     speculative_synthetic_acceptance_rates: Optional[tuple[float, ...]] = _opt(
         None, "benchmarks only: accept drafts at these per-position rates instead of verifying them (entry i = "
               "probability that the first i+1 drafts are accepted; one per draft step; output text is meaningless)")
@@ -184,6 +189,15 @@ class SpeculativeConfig:
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
         if s < 1 or k < 1:
             raise ConfigError(f"speculative_num_steps ({s}) and speculative_eagle_topk ({k}) must be >= 1")
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= low <= high:
+            raise ConfigError(f"the n-gram match windows must satisfy 1 <= min ({low}) <= max ({high})")
+        if self.speculative_algorithm == "NGRAM":
+            if k != 1:
+                raise ConfigError(f"NGRAM drafts chains: speculative_eagle_topk must be 1, got {k}")
+            if self.speculative_draft_model_path:
+                raise ConfigError("NGRAM needs no speculative_draft_model_path (its drafts come from the request's "
+                                  "own tokens)")
         for name in ("speculative_synthetic_acceptance_rates", "speculative_synthetic_chain_rates"):
             if getattr(self, name) is not None:
                 self._validate_rates(name, getattr(self, name))
@@ -401,7 +415,9 @@ class EngineConfig:
         spec = self.speculative
         if spec.speculative_algorithm is None and m.model is None and machine.default_draft is not None:
             spec = replace(spec, speculative_algorithm="EAGLE3")  # the shipped pair speculates by default
-        if spec.enabled:
+        if spec.speculative_algorithm == "NGRAM":
+            spec = spec.resolved(device)
+        elif spec.enabled:
             draft = spec.speculative_draft_model_path or (machine.default_draft if m.model is None else None)
             if draft is None:
                 raise ConfigError("speculative_algorithm EAGLE3 needs speculative_draft_model_path")
