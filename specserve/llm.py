@@ -44,6 +44,7 @@ class LLM:
             engine.check_prompt(engine.tokenize(p))
             engine.check_options(opts)
             sp.validate()
+            sp.update_from_tokenizer(engine.tokenizer)  # bad words that cannot be tokenized fail here, not half-way
         ids = [engine.add_request(p, sp, options=opts).request_id
                for p, sp, opts in zip(prompts, sampling_params, options)]
         final: dict[str, RequestOutput] = {}

@@ -236,3 +236,10 @@ def test_eos_is_not_special(pair):
     params = with_words(SamplingParams(temperature=0, max_tokens=6, logit_bias={EOS: 100}), [[EOS]])
     [out] = llm.generate([[2, 3, 4]], params)
     assert EOS not in out.token_ids and len(out.token_ids) == 6
+
+
+def test_a_bad_word_without_a_tokenizer_fails_before_any_request_runs(pair):
+    llm = make_llm(pair[0])  # these checkpoints have no tokenizer
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        llm.generate([[2, 3], [4, 5]], [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, bad_words=["x"])])
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
