@@ -257,6 +257,27 @@ def test_item_references_stand_for_stored_output_items(server, client, llm):  # 
         assert f"no stored item {gone!r}" in r.json()["error"]["message"]
 
 
+def test_a_stored_responses_input_items_are_listed(client):
+    """OpenAI's GET /v1/responses/{id}/input_items: the request's input items with ids, newest first by default,
+    paged with limit and after."""
+    kw = dict(model=MODEL, max_output_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    r = client.responses.create(input=[{"role": "user", "content": "Hi."},
+                                       {"role": "assistant", "content": "Hello."},
+                                       {"type": "message", "role": "user", "content": [
+                                           {"type": "input_text", "text": "More."}]}], **kw)
+    items = client.responses.input_items.list(r.id)
+    assert [(i.type, i.role, i.content[0].type, i.content[0].text) for i in items.data] == [
+        ("message", "user", "input_text", "More."), ("message", "assistant", "output_text", "Hello."),
+        ("message", "user", "input_text", "Hi.")]
+    assert all(i.id.startswith("msg_") for i in items.data) and len({i.id for i in items.data}) == 3
+    oldest = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in oldest.data] == ["Hi.", "Hello."] and oldest.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=oldest.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["More."] and not rest.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_none")
+
+
 def test_reasoning_and_a_function_call_come_back_as_items(scripted_server):  # noqa: F811
     client = scripted_server.client()
     kw = dict(model="tiny", input="weather Paris", tools=FLAT_TOOLS, temperature=0, max_output_tokens=20)

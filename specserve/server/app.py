@@ -6,8 +6,9 @@ import asyncio
 import logging
 import time
 import uuid
+from typing import Literal, Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -42,7 +43,7 @@ from .responses import (
     TokenizeResponse,
     Version,
 )
-from .responses_api import create_response, stored_response
+from .responses_api import create_response, input_items_page, stored_response
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 from .weights_api import add_weight_routes
@@ -218,6 +219,13 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_errors(401, 404))
     async def get_response(response_id: str) -> JSONResponse:
         return JSONResponse(stored_response(state, response_id).body)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=dict, responses=_errors(401, 404))
+    async def get_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                              order: Literal["asc", "desc"] = "desc", after: Optional[str] = None,
+                              before: Optional[str] = None) -> JSONResponse:
+        """OpenAI's list of a stored response's input items (newest first by default)."""
+        return JSONResponse(input_items_page(stored_response(state, response_id), limit, order, after, before))
 
     @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_errors(401, 404))
     async def delete_response(response_id: str) -> JSONResponse:

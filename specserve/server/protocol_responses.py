@@ -251,6 +251,21 @@ class ResponsesRequest(SamplingFields):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ()) or bool(self.top_logprobs)
 
+    def input_items(self, new_id) -> list[dict[str, Any]]:
+        """The input as OpenAI lists a stored response's input items: each with an id (new_id(prefix) where the
+        client sent none) and a status, a message's text as parts (input_text; output_text for the assistant)."""
+        items = []
+        for item in self.input:
+            data = item.model_dump(exclude_none=True, by_alias=True)
+            if isinstance(item, MessageItem):
+                part = "output_text" if item.role == "assistant" else "input_text"
+                data["content"] = [{"type": part, "text": item.content}] if isinstance(item.content, str) else \
+                    data["content"]
+            prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(data["type"], "rs")
+            items.append({"id": data.pop("id", None) or new_id(prefix), **data, "status": data.get("status") or
+                          "completed"})
+        return items
+
     def conversation(self, previous: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         """The input after `previous` (a stored conversation's messages) as chat messages: function calls on the
         assistant message before them (or one of their own), their outputs as tool messages."""

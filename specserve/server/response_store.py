@@ -3,7 +3,7 @@ references to their output items, and GET / DELETE /v1/responses/{id}: the lates
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -11,6 +11,7 @@ from typing import Any, Optional
 class StoredResponse:
     body: dict[str, Any]  # the response object as the client got it
     conversation: list[dict[str, Any]]  # chat messages through this response's output, its instructions left out
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # its request's input, each item with an id
 
 
 class ResponseStore:

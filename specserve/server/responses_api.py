@@ -199,7 +199,8 @@ class ResponseFormatter(ChatFormatter):
         """The finished response, stored when it is to be."""
         body = self._body(status, out)
         if self.store is not None:
-            self.store.put(StoredResponse(body, self.conversation + [self._as_chat_message()]))
+            self.store.put(StoredResponse(body, self.conversation + [self._as_chat_message()],
+                                          self.req.input_items(_new_id)))
         return body
 
     def _as_chat_message(self) -> dict:
@@ -342,6 +343,23 @@ async def create_response(request: Request, state: ServerState) -> Response:
     return await respond(request, state, chat, [(sub.prompt_ids, sub.params)], [fmt],
                          body=lambda formatters, outs, _: formatters[0].response(outs[0]), events=response_events,
                          options=state.request_options(req))
+
+
+def input_items_page(stored: StoredResponse, limit: int, order: str, after: Optional[str],
+                     before: Optional[str]) -> dict:
+    """GET /v1/responses/{id}/input_items: OpenAI's list of a stored response's input items, `order` desc (newest
+    first, the default) or asc, `limit` of them after the item `after` / before the item `before`."""
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    for cursor, param in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise APIError(404, f"no input item {cursor!r} in response {stored.body['id']!r}", "not_found_error",
+                           param)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
 
 
 def stored_response(state: ServerState, response_id: str) -> StoredResponse:
