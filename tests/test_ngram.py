@@ -11,7 +11,7 @@ from specserve.engine.sequence import Sequence
 from specserve.speculative.ngram import NgramIndex, NgramProposer
 from specserve.speculative.shapes import Shape
 
-from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts
+from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts, skip_without_ranks
 
 VOCAB = 48
 
@@ -74,17 +74,22 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
 
 
 @pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=16),
-                                     dict(num_kv_blocks=20, block_size=8, max_model_len=128)],
-                         ids=["plain-batching", "chunked-prefill", "preemption"])
+                                     dict(num_kv_blocks=20, block_size=8, max_model_len=128),
+                                     dict(tensor_parallel_size=2)],
+                         ids=["plain-batching", "chunked-prefill", "preemption", "two-ranks"])
 def test_tokens_equal_plain_decoding(target, prompts, options):
+    skip_without_ranks(options)
     batch = [(p, params) for p in prompts for params in PARAMS]
     want = [o.token_ids for o in make_llm(target, disable_overlap_schedule=True).generate(
         [p for p, _ in batch], [s for _, s in batch])]
     llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
                    **options)
-    assert [o.token_ids for o in llm.generate([p for p, _ in batch], [s for _, s in batch])] == want
-    spec = llm.engine.stats.spec
-    assert spec.num_accepted_tokens > 10 and spec.accepted_per_position[1] > 0  # where the output repeats itself
-    if "num_kv_blocks" in options:
-        assert llm.engine.stats.num_preemptions > 0
-    assert_pool_full(llm)
+    try:
+        assert [o.token_ids for o in llm.generate([p for p, _ in batch], [s for _, s in batch])] == want
+        spec = llm.engine.stats.spec
+        assert spec.num_accepted_tokens > 10 and spec.accepted_per_position[1] > 0  # where the output repeats
+        if "num_kv_blocks" in options:
+            assert llm.engine.stats.num_preemptions > 0
+        assert_pool_full(llm)
+    finally:
+        llm.engine.close()
