@@ -170,7 +170,7 @@ class SpeculativeConfig:
     speculative_calibration_s: Optional[float] = _opt(
         None, "adaptive policy: seconds the start-up measurement of each shape's step time may take, batch sizes "
               "1, 2, 4, ... in turn (default: 30 on CUDA, 3 on CPU; 0 = learn step times from live steps only)")
-    speculative_ngram_min_match_window_size: int = _opt(2, "NGRAM: the shortest suffix of a request's tokens looked "
+    speculative_ngram_min_match_window_size: int = _opt(1, "NGRAM: the shortest suffix of a request's tokens looked "
                                                            "up in its earlier tokens (vLLM's prompt_lookup_min)")
     speculative_ngram_max_match_window_size: int = _opt(5, "NGRAM: the longest suffix looked up, tried first "
                                                            "(vLLM's prompt_lookup_max)")
