@@ -3,12 +3,14 @@ through the engine, whose tokens equal plain decoding's (greedy, seeded, with pe
 preemption), with drafts accepted where the output repeats its context."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from specserve import SamplingParams
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.sequence import Sequence
-from specserve.speculative.ngram import NgramIndex, NgramProposer
+from specserve.speculative.ngram import NgramProposer, PromptLookup
 from specserve.speculative.shapes import Shape
 
 from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts, skip_without_ranks
@@ -19,22 +21,36 @@ VOCAB = 48
 # ---- the index ------------------------------------------------------------------------------------
 def test_the_longest_suffix_found_gives_what_followed_it():
     # suffix 5 6 7 occurs at 0-2: what followed it there
-    assert NgramIndex(2, 3).continuation([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]
+    assert PromptLookup(2, 3).continuation([5, 6, 7, 8, 9, 5, 6, 7], 3) == [8, 9, 5]
     # a loop of period 3: its continuation wraps around instead of running out
-    assert NgramIndex(1, 3).continuation([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+    assert PromptLookup(1, 3).continuation([1, 2, 3, 1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
     # the longest window wins over a later, shorter match: (4, 5) at 1-2 is followed by 6, (5) alone last by 9
-    assert NgramIndex(1, 2).continuation([3, 4, 5, 6, 5, 9, 4, 5], 1) == [6]
-    assert NgramIndex(1, 1).continuation([3, 4, 5, 6, 5, 9, 4, 5], 1) == [9]  # the latest occurrence
-    assert NgramIndex(2, 3).continuation([1, 2, 3, 4], 3) is None  # nothing repeats
-    assert NgramIndex(2, 3).continuation([7], 2) is None
+    assert PromptLookup(1, 2).continuation([3, 4, 5, 6, 5, 9, 4, 5], 1) == [6]
+    assert PromptLookup(1, 1).continuation([3, 4, 5, 6, 5, 9, 4, 5], 1) == [9]  # the latest occurrence
+    assert PromptLookup(2, 3).continuation([1, 2, 3, 4], 3) is None  # nothing repeats
+    assert PromptLookup(2, 3).continuation([7], 2) is None
 
 
-def test_the_index_grows_with_the_tokens():
-    index, tokens = NgramIndex(2, 2), [1, 2, 3]
-    assert index.continuation(tokens, 2) is None
+def test_the_lookup_grows_with_the_tokens_and_agrees_with_a_scan():
+    lookup, tokens = PromptLookup(2, 2), [1, 2, 3]
+    assert lookup.continuation(tokens, 2) is None
     tokens += [1, 2]
-    assert index.continuation(tokens, 2) == [3, 1]
-    assert index.indexed == len(tokens) - 1
+    assert lookup.continuation(tokens, 2) == [3, 1]
+    rng = random.Random(7)
+    for _ in range(300):  # against the definition, by brute force
+        low = rng.randint(1, 3)
+        high = rng.randint(low, 5)
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 600 if rng.random() < 0.1 else 40))]
+        assert PromptLookup(low, high).continuation(tokens, 3) == scan(tokens, low, high, 3)
+
+
+def scan(tokens: list[int], low: int, high: int, k: int):
+    """The latest earlier occurrence of the longest suffix (low to high tokens), its continuation wrapped."""
+    for n in range(high, low - 1, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if n < len(tokens) and tokens[end - n:end] == tokens[-n:]:
+                return [tokens[end + i % (len(tokens) - end)] for i in range(k)]
+    return None
 
 
 def test_the_proposer_drafts_chains_of_the_shape():

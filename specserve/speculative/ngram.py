@@ -7,15 +7,16 @@ that continuation runs into the end of the tokens it repeats with the match's pe
 turn). A request whose suffix occurs nowhere earlier drafts its last token again: a chain the target rejects at
 its first draft, at the cost of a verify; the adaptive controller weighs that through the acceptance it measures.
 
-Each request keeps an index of its n-grams (`NgramIndex`, `seq.draft_state`), extended with the tokens that
-arrived since its last draft, so a draft costs a dictionary lookup per window size, not a scan of the context.
-Drafting reads host token lists only: no draft KV, no hidden states, no CUDA graphs (speculative steps run one at
-a time, verified like any chain).
+Each request keeps its tokens as an array (`PromptLookup`, `seq.draft_state`), extended with those that arrived
+since its last draft; a lookup compares the last token with every earlier one at once, then extends the matches
+backwards. Drafting reads host token lists only: no draft KV, no hidden states, no CUDA graphs (speculative steps
+run one at a time, verified like any chain).
 """
 from __future__ import annotations
 
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from ..engine.sequence import Sequence
@@ -24,35 +25,46 @@ from .shapes import Shape
 from .tree import DraftTree
 
 
-class NgramIndex:
-    """Where each n-gram of a token list (min_match <= n <= max_match) last ended, for those that end before the
-    list's last token (so a token follows each)."""
+class PromptLookup:
+    """A request's tokens as an array (grown as they arrive), searched for the latest earlier occurrence of its
+    longest suffix: the occurrences of its last token first (one vectorized comparison over the context), then
+    how far back each keeps matching, up to max_match tokens (8 bytes a token, microseconds a lookup at 4k)."""
 
     def __init__(self, min_match: int, max_match: int):
-        self.sizes = range(min_match, max_match + 1)
-        self.ends: dict[tuple[int, ...], int] = {}  # n-gram -> the index after its latest occurrence
-        self.indexed = 0  # n-grams ending at or before this index are in `ends`
+        self.min_match, self.max_match = min_match, max_match
+        self.tokens = np.empty(256, dtype=np.int64)  # [capacity], the first `size` entries filled
+        self.size = 0
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index the n-grams ending at len(tokens) - 1 or before (the last token's own are left out)."""
-        for end in range(max(self.indexed + 1, self.sizes.start), len(tokens)):
-            for n in self.sizes:
-                if n > end:
-                    break
-                self.ends[tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, len(tokens) - 1)
+    def _sync(self, tokens: list[int]) -> np.ndarray:
+        """The array of tokens (which only ever grow)."""
+        if len(tokens) > self.tokens.size:
+            grown = np.empty(max(2 * self.tokens.size, len(tokens)), dtype=np.int64)
+            grown[:self.size] = self.tokens[:self.size]
+            self.tokens = grown
+        self.tokens[self.size:len(tokens)] = tokens[self.size:]
+        self.size = len(tokens)
+        return self.tokens[:self.size]
 
     def continuation(self, tokens: list[int], k: int) -> Optional[list[int]]:
-        """The k tokens after the latest earlier occurrence of the longest suffix found, or None."""
-        self.extend(tokens)
-        for n in reversed(self.sizes):
-            if n >= len(tokens):
-                continue
-            end = self.ends.get(tuple(tokens[-n:]))
-            if end is not None:
-                period = len(tokens) - end  # > 0: the occurrence ends before the suffix does
-                return [tokens[end + i % period] for i in range(k)]
-        return None
+        """The k tokens after the latest earlier occurrence of the longest suffix of tokens (min_match to max_match
+        long) found, or None."""
+        a = self._sync(tokens)  # [L]
+        last = len(a) - 1
+        ends = np.flatnonzero(a[:-1] == a[-1]) + 1  # [C] where an occurrence of the last token ends (<= L - 1)
+        if not ends.size:
+            return None
+        length = np.ones(ends.size, dtype=np.int64)  # [C] tokens matched backwards from each
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, min(self.max_match, last)):
+            before = ends - 1 - back  # [C] the token `back` places before each occurrence's last
+            alive &= (before >= 0) & (a[np.maximum(before, 0)] == a[last - back])
+            length += alive
+        best = int(length.max())
+        if best < self.min_match:
+            return None
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
+        period = len(a) - end  # > 0: the occurrence ends before the suffix does
+        return [tokens[end + i % period] for i in range(k)]
 
 
 class NgramProposer(Proposer):
@@ -68,11 +80,11 @@ class NgramProposer(Proposer):
         k = shape.num_nodes - 1
         trees = []
         for seq in seqs:
-            index = seq.draft_state
-            if not isinstance(index, NgramIndex):
-                index = seq.draft_state = NgramIndex(self.min_match, self.max_match)
+            lookup = seq.draft_state
+            if not isinstance(lookup, PromptLookup):
+                lookup = seq.draft_state = PromptLookup(self.min_match, self.max_match)
             tokens = seq.token_ids
-            drafts = index.continuation(tokens, k) or [tokens[-1]] * k
+            drafts = lookup.continuation(tokens, k) or [tokens[-1]] * k
             trees.append(DraftTree.chain(tokens[-1], drafts))
         return trees
 
