@@ -18,7 +18,7 @@ from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
 from ..layers.sampler import Sampler, ranked_token_logprobs, token_logprobs
-from ..models import ArchConfig, WeightError, fill_weights, load_model
+from ..models import ArchConfig, fill_weights, load_model
 from ..models.lora import clear as clear_lora
 from ..models.lora import load_adapter
 from ..models.lora import reserve as reserve_lora
@@ -157,7 +157,7 @@ class ModelRunner:
         error = None
         try:
             fill_weights(self.model, folder, load_format, self.config.model.seed)
-        except (WeightError, OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # WeightError is a ValueError
             error = str(e)
             fill_weights(self.model, *fallback, self.config.model.seed)
         if self.config.speculative.enabled:  # a collective: every rank gathers, rank 0 keeps a copy under TP
