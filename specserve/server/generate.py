@@ -23,14 +23,14 @@ from typing import Any, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..engine.engine import RequestError, RequestOutput
 from ..engine.sequence import RequestOptions, TokenLogprob
 from ..sampling_params import SamplingParams, StructuredOutputsParams
-from .errors import bad_request, from_validation_error
+from .errors import bad_request
 from .formatting import Envelope, Formatter, TokenText, json_logprob
-from .generation import choice_params, respond
+from .generation import choice_params, read_body, respond
 from .state import ServerState
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
@@ -218,10 +218,7 @@ def _body(formatters: list[GenerateFormatter], outs: list[RequestOutput], num_pr
 
 async def generate(request: Request, state: ServerState) -> Response:
     engine = state.serving_engine()
-    try:
-        req = GenerateRequest.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    req = await read_body(request, GenerateRequest)
     prompts = req.prompts
     options = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params or {}] * len(
         prompts)
@@ -261,10 +258,7 @@ async def abort_request(request: Request, state: ServerState) -> Response:
     """SGLang's POST /abort_request: end the requests of response `rid` (a /generate `rid`, or a /v1 response's
     id), or all with `abort_all`; each answers what it has so far, finished with reason "abort"."""
     state.serving_engine()
-    try:
-        req = AbortRequest.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    req = await read_body(request, AbortRequest)
     if not req.rid and not req.abort_all:
         raise bad_request("send the rid of the request to end, or abort_all: true", "rid")
     state.requests.finish(None if req.abort_all else req.rid)

@@ -31,6 +31,14 @@ Body = TypeVar("Body", bound=BaseModel)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+async def read_body(request: Request, model: Type[Body]) -> Body:
+    """The request's JSON body validated as model; a 400 naming the field it fails on."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise from_validation_error(e, getattr(model, "union_tags", ())) from None
+
+
 async def parse_request(request: Request, state: ServerState, model: Type[Body]) -> tuple[AsyncEngine, Body]:
     """The engine, if the server is serving, and the validated body, if it names the served model."""
     engine = state.serving_engine()

@@ -5,19 +5,17 @@ change happens in the engine thread between two steps, on every tensor-parallel 
 from __future__ import annotations
 
 import os
-from typing import Optional, Type, TypeVar
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ValidationError
 
 from ..engine.engine import RequestError
 from ..models.lora import LoRAError
-from .errors import APIError, bad_request, from_validation_error
+from .errors import APIError, bad_request
+from .generation import read_body
 from .protocol import NonEmpty, _Strict
 from .state import ServerState
-
-Body = TypeVar("Body", bound=BaseModel)
 
 
 class LoadLoRARequest(_Strict):
@@ -30,18 +28,11 @@ class UnloadLoRARequest(_Strict):
     lora_int_id: Optional[int] = None  # vLLM's, accepted: the name says which
 
 
-async def _body(request: Request, model: Type[Body]) -> Body:
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
 def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         engine = state.serving_engine()
-        req = await _body(request, LoadLoRARequest)
+        req = await read_body(request, LoadLoRARequest)
         if req.lora_name == state.model_name:
             raise bad_request(f"{req.lora_name!r} is the served model's name", "lora_name")
         if not os.path.isdir(req.lora_path):
@@ -57,7 +48,7 @@ def add_lora_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         engine = state.serving_engine()
-        req = await _body(request, UnloadLoRARequest)
+        req = await read_body(request, UnloadLoRARequest)
         if req.lora_name not in state.adapters:
             raise APIError(404, f"the LoRA adapter {req.lora_name!r} cannot be found", "not_found_error",
                            "lora_name")

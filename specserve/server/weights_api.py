@@ -11,11 +11,12 @@ from typing import Literal, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from ..engine.engine import EngineBusy, RequestError
 from ..models import WeightError
-from .errors import bad_request, from_validation_error
+from .errors import bad_request
+from .generation import read_body
 from .protocol import NonEmpty
 from .state import ServerState
 
@@ -36,10 +37,7 @@ def add_weight_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
         engine = state.serving_engine()
-        try:
-            req = UpdateWeightsRequest.model_validate_json(await request.body())
-        except ValidationError as e:
-            raise from_validation_error(e) from None
+        req = await read_body(request, UpdateWeightsRequest)
         load_format = "dummy" if req.load_format == "dummy" else "safetensors"
         if load_format != "dummy" and not os.path.isdir(req.model_path):
             raise bad_request(f"model_path {req.model_path!r} is not a folder on the server", "model_path")
