@@ -10,11 +10,13 @@ target was not trained on (its corpus.json lists them; the shipped pair's natura
 pair's tokenizer rarely makes there, so drafts accept less.
 
 `--configs` picks among plain, chain, tree, threshold, adaptive, ngram and ngram-adaptive (prompt lookup,
-chains of up to 4: always, or the adaptive policy's choice), k0 (speculation on but never drafting:
-what a plain step of a speculative engine costs), plain-b (a second plain engine: how far apart two
-identical configurations measure on this machine, the noise floor of every ratio) and, to see what the
-overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`), and to
-see what mixed CUDA graphs buy, plain-eager-prompts and adaptive-eager-prompts (`cuda_graph_max_tokens=0`).
+chains of up to 4: always, or the adaptive policy's choice), ngram-tree and ngram-tree-adaptive (prompt-lookup
+trees of 8 tokens, depth 4, two children a node, beside chains of up to 4 for the adaptive policy), k0
+(speculation on but never drafting: what a plain step of a speculative engine costs), plain-b (a second plain
+engine: how far apart two identical configurations measure on this machine, the noise floor of every ratio)
+and, to see what the overlap scheduler buys, plain-sync and adaptive-sync (the same with
+`disable_overlap_schedule`), and to see what mixed CUDA graphs buy, plain-eager-prompts and
+adaptive-eager-prompts (`cuda_graph_max_tokens=0`).
 `--host-profile DIR` runs each configuration's first round of each level under cProfile and writes its top
 host functions to DIR/CONFIG-cLEVEL.txt (the level's timing then includes the profiler's overhead).
 
@@ -46,6 +48,9 @@ PROMPTS = [
     "class Error(Exception):\n    \"\"\"Base class for", "def walk(top, topdown=True, onerror=None):\n",
 ]
 
+NGRAM_TREE = dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_eagle_topk=2,
+                  speculative_num_draft_tokens=8)
+
 
 def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=draft)
@@ -69,6 +74,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
                                        cuda_graph_max_tokens=0),
         "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always"),
         "ngram-adaptive": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="adaptive"),
+        "ngram-tree": dict(NGRAM_TREE, speculative_policy="always"),
+        "ngram-tree-adaptive": dict(NGRAM_TREE, speculative_policy="adaptive"),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
         "adaptive-sync": dict(spec, speculative_num_steps=3, speculative_policy="adaptive",
                               disable_overlap_schedule=True),

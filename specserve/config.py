@@ -153,9 +153,10 @@ class SpeculativeConfig:
     verified per request counting the root (num_draft_tokens; a chain verifies num_steps + 1)."""
 
     speculative_algorithm: Optional[str] = _opt(None, "speculative decoding algorithm: EAGLE3 (a draft model) or "
-                                                      "NGRAM (drafts copied from the request's own tokens, chains "
-                                                      "only); unset = EAGLE3 with the shipped drafter when the "
-                                                      "shipped model runs, else off", ("EAGLE3", "NGRAM", "none"))
+                                                      "NGRAM (drafts copied from the request's own tokens: chains, "
+                                                      "or with topk > 1 trees of several earlier occurrences); "
+                                                      "unset = EAGLE3 with the shipped drafter when the shipped "
+                                                      "model runs, else off", ("EAGLE3", "NGRAM", "none"))
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE-3 draft checkpoint folder")
     speculative_draft_model_quantization: str = _opt(
         "auto", "the draft's weights: int8 = int8 rows with one scale each (CPU only; its products 2-3x faster there, "
@@ -193,8 +194,6 @@ class SpeculativeConfig:
         if not 1 <= low <= high:
             raise ConfigError(f"the n-gram match windows must satisfy 1 <= min ({low}) <= max ({high})")
         if self.speculative_algorithm == "NGRAM":
-            if k != 1:
-                raise ConfigError(f"NGRAM drafts chains: speculative_eagle_topk must be 1, got {k}")
             if self.speculative_draft_model_path:
                 raise ConfigError("NGRAM needs no speculative_draft_model_path (its drafts come from the request's "
                                   "own tokens)")

@@ -10,7 +10,7 @@ import pytest
 from specserve import SamplingParams
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.sequence import Sequence
-from specserve.speculative.ngram import NgramProposer, PromptLookup
+from specserve.speculative.ngram import NgramProposer, PromptLookup, lookup_tree
 from specserve.speculative.shapes import Shape
 
 from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts, skip_without_ranks
@@ -62,9 +62,49 @@ def test_the_proposer_drafts_chains_of_the_shape():
     assert all(t.parents == [-1, 0, 1, 2] for t in trees) and proposer.num_slots(Shape(3, 1, 4)) == 4
 
 
+def test_continuations_rank_the_longest_then_the_latest():
+    tokens = [7, 1, 2, 3, 9, 2, 3, 4, 5, 3, 8, 1, 2, 3]
+    # suffix (1, 2, 3) at 1-3 matches 3 tokens, (2, 3) at 5-6 two, (3) at 9 one
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5]), (1, [8, 1])]
+    assert PromptLookup(2, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5])]
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=1) == [(3, [9, 2])]
+    assert PromptLookup(1, 3).continuations([1, 2], 2, limit=5) == []
+
+
+def test_a_lookup_tree_merges_the_continuations_best_first():
+    found = [(3, [4, 5, 6]), (2, [4, 5, 9]), (2, [8, 1, 2]), (1, [4, 7, 7]), (1, [4, 7, 8])]
+    tree = lookup_tree(3, found, Shape(3, 2, 7), recent=[3])
+    # best first by the longest match through a node: 4 5 6 (3), then 9 (2, rank 1), 8 and 1 (2, rank 2); 7 under
+    # 4 (two matches of 1) misses the cut. At most two children each, in level order, the better child first
+    assert tree.tokens == [3, 4, 8, 5, 1, 6, 9]
+    assert tree.parents == [-1, 0, 0, 1, 2, 3, 3]
+    assert tree.spine(list(range(1))) == (0, 3)  # the spine is the best continuation, 4 5 6
+    assert [tree.tokens[i] for i in (0, 1, 3, 5)] == [3, 4, 5, 6]
+    # among nodes of the same match length the one more continuations pass through ranks first (7 before 5), then
+    # the better-ranked continuation (5's child 6 before 7's 9)
+    tie = lookup_tree(0, [(2, [5, 6]), (2, [7, 8]), (2, [7, 9])], Shape(2, 2, 5), recent=[])
+    assert tie.tokens == [0, 7, 5, 8, 6] and tie.parents == [-1, 0, 0, 1, 2]
+
+
+def test_a_lookup_tree_is_filled_to_its_shape_with_distinct_guesses():
+    tree = lookup_tree(3, [(1, [4, 5])], Shape(2, 2, 6), recent=[4, 9, 9, 3])
+    # 4 5 found; the root's other children are recent tokens, latest first, none twice under one parent
+    assert tree.tokens == [3, 4, 3, 9, 0, 5] and tree.parents == [-1, 0, 0, 0, 0, 1]
+    empty = lookup_tree(2, [], Shape(3, 4, 5), recent=[2])
+    assert empty.tokens == [2, 2, 0, 1, 3] and set(empty.parents[1:]) == {0}
+    for t in (tree, empty):
+        assert t.size == len(t.tokens) and all(p < i for i, p in enumerate(t.parents))
+
+
+def test_the_proposer_drafts_trees_of_a_tree_shape():
+    seq = Sequence("0", [5, 1, 2, 5, 3, 4, 5], SamplingParams(), {1}, 100, None)
+    tree = NgramProposer(1, 3).propose([seq], Shape(2, 2, 5))[0]
+    assert tree.tokens == [5, 3, 1, 4, 2] and tree.parents == [-1, 0, 0, 1, 2]  # after the latest 5, then the first
+    assert NgramProposer(1, 3).propose([seq], Shape(2, 1, 3))[0].tokens == [5, 3, 4]  # a chain shape: a chain
+
+
 def test_options_are_checked():
-    for bad, words in ((dict(speculative_eagle_topk=2), "drafts chains"),
-                       (dict(speculative_draft_model_path="/x"), "needs no speculative_draft_model_path"),
+    for bad, words in ((dict(speculative_draft_model_path="/x"), "needs no speculative_draft_model_path"),
                        (dict(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2),
                         "1 <= min")):
         with pytest.raises(ConfigError, match=words):
@@ -96,14 +136,41 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
 def test_tokens_equal_plain_decoding(target, prompts, options):
     skip_without_ranks(options)
     batch = [(p, params) for p in prompts for params in PARAMS]
-    want = [o.token_ids for o in make_llm(target, disable_overlap_schedule=True).generate(
-        [p for p, _ in batch], [s for _, s in batch])]
+    want = plain_tokens(target, batch)
     llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
                    **options)
     try:
         assert [o.token_ids for o in llm.generate([p for p, _ in batch], [s for _, s in batch])] == want
         spec = llm.engine.stats.spec
         assert spec.num_accepted_tokens > 10 and spec.accepted_per_position[1] > 0  # where the output repeats
+        if "num_kv_blocks" in options:
+            assert llm.engine.stats.num_preemptions > 0
+        assert_pool_full(llm)
+    finally:
+        llm.engine.close()
+
+
+def plain_tokens(target, batch) -> list[list[int]]:
+    return [o.token_ids for o in make_llm(target, disable_overlap_schedule=True).generate(
+        [p for p, _ in batch], [s for _, s in batch])]
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_kv_blocks=20, block_size=8, max_model_len=128)],
+                         ids=["plain-batching", "preemption"])
+def test_trees_give_plain_decodings_tokens(target, prompts, options):
+    batch = [(p, params) for p in prompts for params in PARAMS]
+    want = plain_tokens(target, batch)
+    llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=7, speculative_policy="always", **options)
+    verified = []  # (drafts accepted, of them on the spine) per verified tree
+    record = llm.engine.spec.record_accepted
+    llm.engine.spec.record_accepted = lambda shape, accepted, spines: (
+        verified.extend((a, s[0]) for a, s in zip(accepted, spines)), record(shape, accepted, spines))
+    try:
+        assert [o.token_ids for o in llm.generate([p for p, _ in batch], [s for _, s in batch])] == want
+        spec = llm.engine.stats.spec
+        assert spec.num_accepted_tokens > 10 and spec.accepted_per_position[1] > 0
+        assert any(a > on_spine for a, on_spine in verified)  # some trees accepted a branch off their spine
         if "num_kv_blocks" in options:
             assert llm.engine.stats.num_preemptions > 0
         assert_pool_full(llm)

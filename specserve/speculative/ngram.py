@@ -7,6 +7,11 @@ that continuation runs into the end of the tokens it repeats with the match's pe
 turn). A request whose suffix occurs nowhere earlier drafts its last token again: a chain the target rejects at
 its first draft, at the cost of a verify; the adaptive controller weighs that through the acceptance it measures.
 
+With `speculative_eagle_topk` > 1 a tree shape drafts a tree instead (in the spirit of SGLang's trie-based n-gram
+drafts): the continuations of several earlier occurrences, the longest matches first, merged into a trie whose
+best nodes are kept (`lookup_tree`). Where the text went on differently after the same words, the verify tries
+each way; the adaptive controller prices the tree against the chains as it does for EAGLE-3.
+
 Each request keeps its tokens as an array (`PromptLookup`, `seq.draft_state`), extended with those that arrived
 since its last draft; a lookup compares the last token with every earlier one at once, then extends the matches
 backwards. Drafting reads host token lists only: no draft KV, no hidden states, no CUDA graphs (speculative steps
@@ -23,6 +28,8 @@ from ..engine.sequence import Sequence
 from .proposer import Proposer
 from .shapes import Shape
 from .tree import DraftTree
+
+RECENT = 64  # a tree's filler guesses come from the request's last RECENT tokens
 
 
 class PromptLookup:
@@ -45,30 +52,93 @@ class PromptLookup:
         self.size = len(tokens)
         return self.tokens[:self.size]
 
-    def continuation(self, tokens: list[int], k: int) -> Optional[list[int]]:
-        """The k tokens after the latest earlier occurrence of the longest suffix of tokens (min_match to max_match
-        long) found, or None."""
+    def _matches(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Every earlier occurrence of the suffix: where each ends ([C], the index after its last token, <= L - 1)
+        and how many tokens of the suffix it matches backwards ([C], 1 to max_match)."""
         a = self._sync(tokens)  # [L]
         last = len(a) - 1
-        ends = np.flatnonzero(a[:-1] == a[-1]) + 1  # [C] where an occurrence of the last token ends (<= L - 1)
-        if not ends.size:
-            return None
+        ends = np.flatnonzero(a[:-1] == a[-1]) + 1  # [C] where an occurrence of the last token ends
         length = np.ones(ends.size, dtype=np.int64)  # [C] tokens matched backwards from each
         alive = np.ones(ends.size, dtype=bool)
         for back in range(1, min(self.max_match, last)):
             before = ends - 1 - back  # [C] the token `back` places before each occurrence's last
             alive &= (before >= 0) & (a[np.maximum(before, 0)] == a[last - back])
             length += alive
-        best = int(length.max())
-        if best < self.min_match:
+        return ends, length
+
+    def continuation(self, tokens: list[int], k: int) -> Optional[list[int]]:
+        """The k tokens after the latest earlier occurrence of the longest suffix of tokens (min_match to max_match
+        long) found, or None."""
+        ends, length = self._matches(tokens)
+        if not ends.size or int(length.max()) < self.min_match:
             return None
-        end = int(ends[np.flatnonzero(length == best)[-1]])  # the latest of the longest
-        period = len(a) - end  # > 0: the occurrence ends before the suffix does
-        return [tokens[end + i % period] for i in range(k)]
+        end = int(ends[np.flatnonzero(length == length.max())[-1]])  # the latest of the longest
+        return wrapped(tokens, end, k)
+
+    def continuations(self, tokens: list[int], k: int, limit: int) -> list[tuple[int, list[int]]]:
+        """Up to `limit` occurrences of a suffix of min_match to max_match tokens, the longest first and the
+        latest first among equals: (tokens matched, the k tokens after it)."""
+        ends, length = self._matches(tokens)
+        keep = np.flatnonzero(length >= self.min_match)
+        order = keep[np.lexsort((-ends[keep], -length[keep]))][:limit]
+        return [(int(length[i]), wrapped(tokens, int(ends[i]), k)) for i in order]
+
+
+def wrapped(tokens: list[int], end: int, k: int) -> list[int]:
+    """The k tokens from index `end` on, repeating tokens[end:] (a loop's next turn) where they run out."""
+    period = len(tokens) - end  # > 0: the occurrence ends before the suffix does
+    return [tokens[end + i % period] for i in range(k)]
+
+
+def lookup_tree(root: int, found: list[tuple[int, list[int]]], shape: Shape, recent: list[int]) -> DraftTree:
+    """A tree of shape.num_nodes nodes from the continuations `found` (ranked, see `continuations`): their
+    trie, of which the best nodes are kept while they stay connected, at most shape.topk children a node.
+    A node ranks by the longest match that leads through it, then by how many continuations of that length
+    do, then by the best rank among them; the kept nodes come in level order, each node's children best
+    first, so the spine is the best continuation. Nodes short of num_nodes are filled with distinct
+    tokens of `recent` (latest first) as the root's last children: guesses a verify can still accept."""
+    children: list[dict[int, int]] = [{}]  # per trie node, token -> child node
+    token, score = [root], [(0, 0, 0)]  # score: (match length, continuations of it, -rank)
+    for rank, (length, drafts) in enumerate(found):
+        node = 0
+        for t in drafts:
+            if t not in children[node]:
+                children[node][t] = len(token)
+                children.append({})
+                token.append(t), score.append((length, 0, -rank))
+            node = children[node][t]
+            best, count, first = score[node]
+            if length == best:
+                score[node] = (best, count + 1, first)
+
+    def ranked(node: int) -> list[int]:
+        return sorted(children[node].values(), key=lambda c: score[c], reverse=True)
+
+    kept, frontier = {0}, ranked(0)[:shape.topk]
+    while frontier and len(kept) < shape.num_nodes:
+        node = max(frontier, key=lambda c: score[c])
+        frontier.remove(node)
+        kept.add(node)
+        frontier += ranked(node)[:shape.topk]
+    used = {token[c] for c in children[0].values() if c in kept}
+    guesses = (t for t in dict.fromkeys(recent[::-1] + list(range(2 * shape.num_nodes))) if t not in used)
+    while len(kept) < shape.num_nodes:  # filler: the lowest-ranked children of the root
+        node = len(token)
+        token.append(next(guesses)), score.append((-1, 0, -node)), children.append({})
+        children[0][-node] = node
+        kept.add(node)
+    order, parents, index = [0], [-1], {0: 0}
+    for node in order:  # grows while read: breadth first
+        for child in ranked(node):
+            if child in kept:
+                index[child] = len(order)
+                order.append(child)
+                parents.append(index[node])
+    return DraftTree([token[n] for n in order], parents)
 
 
 class NgramProposer(Proposer):
-    """Chains of prompt-lookup drafts (see the module's docstring)."""
+    """Chains (or trees) of prompt-lookup drafts (see the module's docstring)."""
 
     def __init__(self, min_match: int, max_match: int):
         self.min_match, self.max_match = min_match, max_match
@@ -84,8 +154,11 @@ class NgramProposer(Proposer):
             if not isinstance(lookup, PromptLookup):
                 lookup = seq.draft_state = PromptLookup(self.min_match, self.max_match)
             tokens = seq.token_ids
-            drafts = lookup.continuation(tokens, k) or [tokens[-1]] * k
-            trees.append(DraftTree.chain(tokens[-1], drafts))
+            if shape.topk == 1:
+                trees.append(DraftTree.chain(tokens[-1], lookup.continuation(tokens, k) or [tokens[-1]] * k))
+            else:
+                found = lookup.continuations(tokens, shape.steps, limit=2 * k)
+                trees.append(lookup_tree(tokens[-1], found, shape, tokens[-RECENT:]))
         return trees
 
     def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]],
