@@ -116,6 +116,8 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     # bad_words as token ids (`update_from_tokenizer`); None: not tokenized
     bad_words_token_ids: Optional[list[list[int]]] = field(default=None, init=False, repr=False, compare=False)
+    # the bad_words that bad_words_token_ids were made from (a second update_from_tokenizer reuses them)
+    _tokenized_words: Optional[list[str]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -211,8 +213,8 @@ class SamplingParams:
         """Tokenize bad_words into bad_words_token_ids as vLLM does: each word without its leading spaces, and
         after one space where that gives as many tokens with a different first one (the word inside a text).
         ValueError for a word with no tokens, or for bad_words with no tokenizer. Without bad_words it does
-        nothing (token ids set directly stay)."""
-        if not self.bad_words:
+        nothing (token ids set directly stay), and nothing again for the same bad_words."""
+        if not self.bad_words or self._tokenized_words == self.bad_words:
             return
         if tokenizer is None:
             raise ValueError("invalid sampling parameter: bad_words needs the model's tokenizer, and this model "
@@ -226,7 +228,7 @@ class SamplingParams:
             inside = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if len(inside) == len(alone) and inside[0] != alone[0]:
                 ids.append(list(inside))
-        self.bad_words_token_ids = ids
+        self.bad_words_token_ids, self._tokenized_words = ids, list(self.bad_words)
 
     @property
     def guided(self) -> bool:

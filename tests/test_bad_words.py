@@ -83,6 +83,16 @@ def test_words_are_tokenized_alone_and_after_a_space_as_vllm_does():
     untouched = with_words(SamplingParams(), [[3, 4]])
     untouched.update_from_tokenizer(None)  # no bad_words: nothing to tokenize, ids set directly stay
     assert untouched.bad_words_token_ids == [[3, 4]]
+    # the server tokenizes them to answer 400 early, the engine's add_request asks again: the same words are
+    # not tokenized twice, changed words are
+    calls = []
+    encode = tok.encode
+    tok.encode = lambda text, **kw: calls.append(text) or encode(text, **kw)
+    params.update_from_tokenizer(tok)
+    assert calls == []
+    params.bad_words = ["return"]
+    params.update_from_tokenizer(tok)
+    assert calls == ["return", " return"] and params.bad_words_token_ids == [[1628], [349]]
 
 
 def test_bad_words_are_validated():
