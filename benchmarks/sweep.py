@@ -85,6 +85,8 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
 def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int, prompts: list = PROMPTS) -> dict:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     issued = finished = tokens = 0
+    spec = engine.stats.spec
+    drafts, accepted = spec.num_drafts, spec.num_accepted_tokens
     ks, start = [], time.perf_counter()
     while finished < total:
         while issued < total and issued - finished < concurrency:
@@ -96,8 +98,10 @@ def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int, 
                 tokens += len(out.token_ids)
         ks.append(engine.stats.spec.last_k)
     seconds = time.perf_counter() - start
+    drafts = spec.num_drafts - drafts
     return {"output_throughput": tokens / seconds, "seconds": seconds, "tokens": tokens,
-            "mean_k": sum(ks) / len(ks)}
+            "mean_k": sum(ks) / len(ks),  # draft tokens per request a step, plain steps counted as 0
+            "accept_length": 1 + (spec.num_accepted_tokens - accepted) / drafts if drafts else None}
 
 
 def main() -> None:

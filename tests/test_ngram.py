@@ -65,29 +65,29 @@ def test_the_proposer_drafts_chains_of_the_shape():
 def test_continuations_rank_the_longest_then_the_latest():
     tokens = [7, 1, 2, 3, 9, 2, 3, 4, 5, 3, 8, 1, 2, 3]
     # suffix (1, 2, 3) at 1-3 matches 3 tokens, (2, 3) at 5-6 two, (3) at 9 one
-    assert PromptLookup(1, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5]), (1, [8, 1])]
-    assert PromptLookup(2, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5])]
-    assert PromptLookup(1, 3).continuations(tokens, 2, limit=1) == [(3, [9, 2])]
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=5) == [[9, 2], [4, 5], [8, 1]]
+    assert PromptLookup(2, 3).continuations(tokens, 2, limit=5) == [[9, 2], [4, 5]]
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=1) == [[9, 2]]
+    # two occurrences of (3) alone: the latest first
+    assert PromptLookup(1, 1).continuations([3, 5, 3, 6, 3], 1, limit=5) == [[6], [5]]
     assert PromptLookup(1, 3).continuations([1, 2], 2, limit=5) == []
 
 
 def test_a_lookup_tree_merges_the_continuations_best_first():
-    found = [(3, [4, 5, 6]), (2, [4, 5, 9]), (2, [8, 1, 2]), (1, [4, 7, 7]), (1, [4, 7, 8])]
+    found = [[4, 5, 6], [4, 5, 9], [8, 1, 2], [4, 7, 7], [4, 7, 8]]
     tree = lookup_tree(3, found, Shape(3, 2, 7), recent=[3])
-    # best first by the longest match through a node: 4 5 6 (3), then 9 (2, rank 1), 8 and 1 (2, rank 2); 7 under
-    # 4 (two matches of 1) misses the cut. At most two children each, in level order, the better child first
+    # a node ranks as the best continuation through it: 4 5 6 (0), 9 (1), 8 1 (2) are kept before 7 under 4 (3);
+    # at most two children each, in level order, the better child first
     assert tree.tokens == [3, 4, 8, 5, 1, 6, 9]
     assert tree.parents == [-1, 0, 0, 1, 2, 3, 3]
-    assert tree.spine(list(range(1))) == (0, 3)  # the spine is the best continuation, 4 5 6
+    assert tree.spine([0]) == (0, 3)  # the spine is the best continuation, 4 5 6
     assert [tree.tokens[i] for i in (0, 1, 3, 5)] == [3, 4, 5, 6]
-    # among nodes of the same match length the one more continuations pass through ranks first (7 before 5), then
-    # the better-ranked continuation (5's child 6 before 7's 9)
-    tie = lookup_tree(0, [(2, [5, 6]), (2, [7, 8]), (2, [7, 9])], Shape(2, 2, 5), recent=[])
-    assert tie.tokens == [0, 7, 5, 8, 6] and tie.parents == [-1, 0, 0, 1, 2]
+    # topk bounds the children of a node: with one child each, the tree is the best continuation's chain
+    assert lookup_tree(3, found, Shape(3, 1, 4), recent=[]).tokens == [3, 4, 5, 6]
 
 
 def test_a_lookup_tree_is_filled_to_its_shape_with_distinct_guesses():
-    tree = lookup_tree(3, [(1, [4, 5])], Shape(2, 2, 6), recent=[4, 9, 9, 3])
+    tree = lookup_tree(3, [[4, 5]], Shape(2, 2, 6), recent=[4, 9, 9, 3])
     # 4 5 found; the root's other children are recent tokens, latest first, none twice under one parent
     assert tree.tokens == [3, 4, 3, 9, 0, 5] and tree.parents == [-1, 0, 0, 0, 0, 1]
     empty = lookup_tree(2, [], Shape(3, 4, 5), recent=[2])

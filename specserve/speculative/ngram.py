@@ -75,13 +75,13 @@ class PromptLookup:
         end = int(ends[np.flatnonzero(length == length.max())[-1]])  # the latest of the longest
         return wrapped(tokens, end, k)
 
-    def continuations(self, tokens: list[int], k: int, limit: int) -> list[tuple[int, list[int]]]:
-        """Up to `limit` occurrences of a suffix of min_match to max_match tokens, the longest first and the
-        latest first among equals: (tokens matched, the k tokens after it)."""
+    def continuations(self, tokens: list[int], k: int, limit: int) -> list[list[int]]:
+        """The k tokens after each of up to `limit` occurrences of a suffix of min_match to max_match tokens, the
+        longest match first and the latest first among equals."""
         ends, length = self._matches(tokens)
         keep = np.flatnonzero(length >= self.min_match)
         order = keep[np.lexsort((-ends[keep], -length[keep]))][:limit]
-        return [(int(length[i]), wrapped(tokens, int(ends[i]), k)) for i in order]
+        return [wrapped(tokens, int(ends[i]), k) for i in order]
 
 
 def wrapped(tokens: list[int], end: int, k: int) -> list[int]:
@@ -90,41 +90,37 @@ def wrapped(tokens: list[int], end: int, k: int) -> list[int]:
     return [tokens[end + i % period] for i in range(k)]
 
 
-def lookup_tree(root: int, found: list[tuple[int, list[int]]], shape: Shape, recent: list[int]) -> DraftTree:
-    """A tree of shape.num_nodes nodes from the continuations `found` (ranked, see `continuations`): their
-    trie, of which the best nodes are kept while they stay connected, at most shape.topk children a node.
-    A node ranks by the longest match that leads through it, then by how many continuations of that length
-    do, then by the best rank among them; the kept nodes come in level order, each node's children best
-    first, so the spine is the best continuation. Nodes short of num_nodes are filled with distinct
+def lookup_tree(root: int, found: list[list[int]], shape: Shape, recent: list[int]) -> DraftTree:
+    """A tree of shape.num_nodes nodes from the continuations `found`, best first (see `continuations`): their
+    trie, of which the best nodes are kept while they stay connected, at most shape.topk children a node. A
+    node ranks as the best continuation through it; the kept nodes come in level order, each node's children
+    best first, so the spine is the best continuation. Nodes short of num_nodes are filled with distinct
     tokens of `recent` (latest first) as the root's last children: guesses a verify can still accept."""
     children: list[dict[int, int]] = [{}]  # per trie node, token -> child node
-    token, score = [root], [(0, 0, 0)]  # score: (match length, continuations of it, -rank)
-    for rank, (length, drafts) in enumerate(found):
+    token, rank = [root], [-1]  # rank: the index in `found` of the best continuation through the node
+    for r, drafts in enumerate(found):
         node = 0
         for t in drafts:
             if t not in children[node]:
                 children[node][t] = len(token)
                 children.append({})
-                token.append(t), score.append((length, 0, -rank))
+                token.append(t), rank.append(r)
             node = children[node][t]
-            best, count, first = score[node]
-            if length == best:
-                score[node] = (best, count + 1, first)
 
     def ranked(node: int) -> list[int]:
-        return sorted(children[node].values(), key=lambda c: score[c], reverse=True)
+        return sorted(children[node].values(), key=rank.__getitem__)
 
     kept, frontier = {0}, ranked(0)[:shape.topk]
     while frontier and len(kept) < shape.num_nodes:
-        node = max(frontier, key=lambda c: score[c])
+        node = min(frontier, key=rank.__getitem__)
         frontier.remove(node)
         kept.add(node)
         frontier += ranked(node)[:shape.topk]
     used = {token[c] for c in children[0].values() if c in kept}
     guesses = (t for t in dict.fromkeys(recent[::-1] + list(range(2 * shape.num_nodes))) if t not in used)
-    while len(kept) < shape.num_nodes:  # filler: the lowest-ranked children of the root
+    while len(kept) < shape.num_nodes:  # filler: the last children of the root
         node = len(token)
-        token.append(next(guesses)), score.append((-1, 0, -node)), children.append({})
+        token.append(next(guesses)), rank.append(len(found) + node), children.append({})
         children[0][-node] = node
         kept.add(node)
     order, parents, index = [0], [-1], {0: 0}
