@@ -103,6 +103,44 @@ def test_the_proposer_drafts_trees_of_a_tree_shape():
     assert NgramProposer(1, 3).propose([seq], Shape(2, 1, 3))[0].tokens == [5, 3, 4]  # a chain shape: a chain
 
 
+def test_only_a_sequence_whose_suffix_recurs_drafts():
+    proposer = NgramProposer(2, 4)
+    seq = Sequence("0", [9, 4, 5, 6, 7, 4], SamplingParams(), {1}, 100, None)
+    assert not proposer.drafts(seq)  # (7, 4) never occurred before; a match of one token is too short
+    seq.append_tokens([5])
+    assert proposer.drafts(seq)  # (4, 5) did
+
+
+def test_a_speculative_step_gives_a_declining_sequence_one_token(target):
+    llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_policy="always",
+                   speculative_ngram_min_match_window_size=2)
+    try:
+        engine = llm.engine
+        engine.shape = engine.spec.choose(1)
+        declines = Sequence("a", [1, 2, 3, 4, 5], SamplingParams(), {0}, 100, None)
+        drafts = Sequence("b", [1, 2, 3, 1, 2], SamplingParams(), {0}, 100, None)
+        assert engine._decode_shape(declines) == (1, 1) and engine._decode_shape(drafts) == (4, 4)
+        engine.spec.forced = engine.shape  # a forced step (calibration) drafts every row
+        assert engine._decode_shape(declines) == (4, 4)
+    finally:
+        llm.engine.close()
+
+
+def test_declined_rows_count_for_the_controller_as_verifies_that_accepted_nothing(target, prompts):
+    llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=3, speculative_policy="always")
+    recorded = []
+    record = llm.engine.spec.controller.record_verify
+    llm.engine.spec.controller.record_verify = lambda shape, a, spine=None: (recorded.append(a),
+                                                                            record(shape, a, spine))
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        spec = llm.engine.stats.spec
+        assert 0 < spec.num_drafts < len(recorded)  # some steps declined a row
+        assert sum(recorded) == spec.num_accepted_tokens  # and counted nothing accepted for it
+    finally:
+        llm.engine.close()
+
+
 def test_options_are_checked():
     for bad, words in ((dict(speculative_draft_model_path="/x"), "needs no speculative_draft_model_path"),
                        (dict(speculative_ngram_min_match_window_size=4, speculative_ngram_max_match_window_size=2),

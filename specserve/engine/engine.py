@@ -373,7 +373,8 @@ class LLMEngine:
     def _decode_shape(self, seq: Sequence) -> tuple[int, int]:
         """(tokens computed, KV slots needed) for a decoding sequence this step."""
         shape = self.shape
-        if shape.steps == 0 or seq.num_tokens + self.spec.num_slots(shape) > self.config.model.max_model_len:
+        if (shape.steps == 0 or seq.num_tokens + self.spec.num_slots(shape) > self.config.model.max_model_len
+                or not self.spec.drafts(seq)):
             return 1, 1
         return shape.num_nodes, self.spec.num_slots(shape)
 
@@ -412,6 +413,8 @@ class LLMEngine:
         if not batch:
             return outputs
         speculating = [item for item in batch if item.num_tokens > 1 and item.seq.num_uncomputed_tokens == 1]
+        if self.shape.steps:
+            self.spec.record_declined(self.shape, sum(map(self._declined, batch)))
         if self._loop_starts(batch, speculating):
             self.flight = self.spec.start_loop([item.seq for item in batch], self.shape)
             self.run_opened, self.run_times = time.perf_counter() - start, {}
@@ -433,6 +436,10 @@ class LLMEngine:
             self.spec.record_step(len(batch), self.shape, time.perf_counter() - start, len(speculating),
                                   self.stats.num_generation_tokens - emitted)
         return outputs
+
+    def _declined(self, item: ScheduledSeq) -> bool:
+        """Did this decoding item of a speculative step decline to draft (`SpecDecoder.drafts`)?"""
+        return item.num_tokens == 1 and item.seq.num_uncomputed_tokens == 1 and not self.spec.drafts(item.seq)
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------
     def _step_overlapped(self, start: float) -> list[RequestOutput]:

@@ -98,6 +98,19 @@ class SpecDecoder:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
         return self.proposer.num_slots(shape)
 
+    def drafts(self, seq: Sequence) -> bool:
+        """Does seq draft in a speculative step (see `Proposer.drafts`)? Every row does in a step whose shape
+        is forced (calibration) and under synthetic acceptance, which accepts by rates, not by the drafts."""
+        return self.forced is not None or self.synthetic is not None or self.proposer.drafts(seq)
+
+    def record_declined(self, shape: Shape, count: int) -> None:
+        """count sequences of a step of this shape declined to draft (`drafts`) and decoded one token each:
+        for the controller, verifies that accepted nothing (what choosing the shape made of them; the step's
+        time, measured with them, is what they cost). The statistics count drafts only."""
+        if self.forced is None:
+            for _ in range(count):
+                self.controller.record_verify(shape, 0, (0, shape.steps))
+
     def draft(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         """One tree of shape.num_nodes nodes per sequence (each has one uncomputed token)."""
         start = time.perf_counter()
