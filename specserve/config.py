@@ -175,6 +175,10 @@ class SpeculativeConfig:
                                                            "up in its earlier tokens (vLLM's prompt_lookup_min)")
     speculative_ngram_max_match_window_size: int = _opt(5, "NGRAM: the longest suffix looked up, tried first "
                                                            "(vLLM's prompt_lookup_max)")
+    speculative_ngram_capacity: int = _opt(1 << 20, "NGRAM: tokens of finished requests (prompt and output) kept "
+                                                    "for lookups across requests, 8 bytes each (0 = a request "
+                                                    "looks up its own tokens only; requests with a cache_salt "
+                                                    "neither read nor add to it)")
     speculative_synthetic_acceptance_rates: Optional[tuple[float, ...]] = _opt(
         None, "benchmarks only: accept drafts at these per-position rates instead of verifying them (entry i = "
               "probability that the first i+1 drafts are accepted; one per draft step; output text is meaningless)")
@@ -193,6 +197,9 @@ class SpeculativeConfig:
         low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
         if not 1 <= low <= high:
             raise ConfigError(f"the n-gram match windows must satisfy 1 <= min ({low}) <= max ({high})")
+        if self.speculative_ngram_capacity != 0 and self.speculative_ngram_capacity < 1024:
+            raise ConfigError(f"speculative_ngram_capacity must be 0 (off) or >= 1024 tokens, got "
+                              f"{self.speculative_ngram_capacity}")
         if self.speculative_algorithm == "NGRAM":
             if self.speculative_draft_model_path:
                 raise ConfigError("NGRAM needs no speculative_draft_model_path (its drafts come from the request's "

@@ -11,6 +11,7 @@ from specserve import SamplingParams
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.sequence import Sequence
 from specserve.speculative.ngram import NgramProposer, PromptLookup, lookup_tree
+from specserve.speculative.ngram_history import History
 from specserve.speculative.shapes import Shape
 
 from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts, skip_without_ranks
@@ -65,11 +66,11 @@ def test_the_proposer_drafts_chains_of_the_shape():
 def test_continuations_rank_the_longest_then_the_latest():
     tokens = [7, 1, 2, 3, 9, 2, 3, 4, 5, 3, 8, 1, 2, 3]
     # suffix (1, 2, 3) at 1-3 matches 3 tokens, (2, 3) at 5-6 two, (3) at 9 one
-    assert PromptLookup(1, 3).continuations(tokens, 2, limit=5) == [[9, 2], [4, 5], [8, 1]]
-    assert PromptLookup(2, 3).continuations(tokens, 2, limit=5) == [[9, 2], [4, 5]]
-    assert PromptLookup(1, 3).continuations(tokens, 2, limit=1) == [[9, 2]]
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5]), (1, [8, 1])]
+    assert PromptLookup(2, 3).continuations(tokens, 2, limit=5) == [(3, [9, 2]), (2, [4, 5])]
+    assert PromptLookup(1, 3).continuations(tokens, 2, limit=1) == [(3, [9, 2])]
     # two occurrences of (3) alone: the latest first
-    assert PromptLookup(1, 1).continuations([3, 5, 3, 6, 3], 1, limit=5) == [[6], [5]]
+    assert PromptLookup(1, 1).continuations([3, 5, 3, 6, 3], 1, limit=5) == [(1, [6]), (1, [5])]
     assert PromptLookup(1, 3).continuations([1, 2], 2, limit=5) == []
 
 
@@ -104,11 +105,58 @@ def test_the_proposer_drafts_trees_of_a_tree_shape():
 
 
 def test_only_a_sequence_whose_suffix_recurs_drafts():
-    proposer = NgramProposer(2, 4)
+    proposer, chain = NgramProposer(2, 4), Shape(3, 1, 4)
     seq = Sequence("0", [9, 4, 5, 6, 7, 4], SamplingParams(), {1}, 100, None)
-    assert not proposer.drafts(seq)  # (7, 4) never occurred before; a match of one token is too short
+    assert not proposer.drafts(seq, chain)  # (7, 4) never occurred before; a match of one token is too short
     seq.append_tokens([5])
-    assert proposer.drafts(seq)  # (4, 5) did
+    assert proposer.drafts(seq, chain)  # (4, 5) did
+
+
+# ---- the history of finished requests ---------------------------------------------------------------
+def test_the_history_gives_what_followed_a_suffix_in_finished_requests():
+    history = History(1024, max_match=4)
+    history.add([1, 2, 3, 4, 5, 6])
+    history.add([7, 2, 3, 9, 8, 2, 3, 4, 1])
+    # (2, 3) occurred three times: (2, 3, 4) twice, matched 3 tokens, the latest first; then (7, 2, 3)
+    assert history.continuations([0, 2, 3], 2, limit=5) == [(2, [4, 1]), (2, [9, 8]), (2, [4, 5])]
+    assert history.continuations([8, 2, 3], 2, limit=5)[0] == (3, [4, 1])
+    assert history.continuations([7, 2, 3], 2, limit=1) == [(3, [9, 8])]
+    # a continuation stops at the end of its request: (4, 5) is followed by one token only
+    assert history.continuations([4, 5], 2, limit=5) == [] and history.continuations([4, 5], 1, limit=5) == [(2, [6])]
+    assert history.continuations([5], 1, limit=5) == []  # one token is no pair
+
+
+def test_the_history_agrees_with_a_scan_and_forgets_its_oldest_tokens():
+    rng = random.Random(11)
+    for capacity in (1024, 1 << 14):
+        history, kept = History(capacity, max_match=4, buckets=64, ways=4), []  # small tables: collisions
+        for _ in range(60):
+            tokens = [rng.randrange(6) for _ in range(rng.randint(1, 60))]
+            history.add(tokens)
+            kept += tokens + [-1]
+            query = [rng.randrange(6) for _ in range(5)]
+            found = history.continuations(query, 2, limit=50)
+            ring = kept[-capacity:]
+            for length, after in found:  # each one is a real occurrence, matched as long as claimed
+                assert any(ring[e - length:e] == query[-length:] and ring[e:e + 2] == after
+                           for e in range(length, len(ring) - 1))
+            assert [f[0] for f in found] == sorted((f[0] for f in found), reverse=True)
+        assert len(kept) > capacity or capacity > 1024
+    assert History(1024, 4).continuations([1, 2], 1, limit=5) == []
+
+
+def test_history_drafts_for_requests_without_a_cache_salt():
+    history = History(1024, max_match=4)
+    history.add([5, 6, 7, 8, 9, 10])
+    proposer, chain = NgramProposer(2, 4, history), Shape(2, 1, 3)
+    seq = Sequence("0", [1, 2, 6, 7], SamplingParams(), {0}, 100, None)
+    assert proposer.drafts(seq, chain) and proposer.propose([seq], chain)[0].tokens == [7, 8, 9]
+    salted = Sequence("1", [1, 2, 6, 7], SamplingParams(), {0}, 100, None, cache_salt=b"tenant")
+    assert not proposer.drafts(salted, chain)
+    own = Sequence("2", [8, 6, 7, 4, 6, 7], SamplingParams(), {0}, 100, None)
+    assert proposer.propose([own], chain)[0].tokens == [7, 4, 6]  # its own match first among equals
+    proposer.retire([salted, own])
+    assert history.written == 7 + 7  # the salted request added nothing
 
 
 def test_a_speculative_step_gives_a_declining_sequence_one_token(target):
@@ -214,3 +262,22 @@ def test_trees_give_plain_decodings_tokens(target, prompts, options):
         assert_pool_full(llm)
     finally:
         llm.engine.close()
+
+
+def test_a_repeated_request_drafts_from_the_first_ones_output(target):
+    prompt = mixed_prompts(1, VOCAB, seed=5, lo=20, hi=20)[0]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = plain_tokens(target, [(prompt, params)])[0]
+    accepted = {}
+    for capacity in (0, 1 << 14):
+        llm = make_llm(target, speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
+                       speculative_ngram_capacity=capacity)
+        try:
+            for run in range(2):
+                before = llm.engine.stats.spec.num_accepted_tokens
+                assert llm.generate([prompt], params)[0].token_ids == want
+                accepted[capacity, run] = llm.engine.stats.spec.num_accepted_tokens - before
+        finally:
+            llm.engine.close()
+    assert accepted[0, 1] == accepted[0, 0]  # without a history the second request drafts as the first did
+    assert accepted[1 << 14, 1] >= 30 > accepted[0, 1]  # with one it drafts the first one's output

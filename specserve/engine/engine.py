@@ -374,7 +374,7 @@ class LLMEngine:
         """(tokens computed, KV slots needed) for a decoding sequence this step."""
         shape = self.shape
         if (shape.steps == 0 or seq.num_tokens + self.spec.num_slots(shape) > self.config.model.max_model_len
-                or not self.spec.drafts(seq)):
+                or not self.spec.drafts(seq, shape)):
             return 1, 1
         return shape.num_nodes, self.spec.num_slots(shape)
 
@@ -439,7 +439,8 @@ class LLMEngine:
 
     def _declined(self, item: ScheduledSeq) -> bool:
         """Did this decoding item of a speculative step decline to draft (`SpecDecoder.drafts`)?"""
-        return item.num_tokens == 1 and item.seq.num_uncomputed_tokens == 1 and not self.spec.drafts(item.seq)
+        return (item.num_tokens == 1 and item.seq.num_uncomputed_tokens == 1
+                and not self.spec.drafts(item.seq, self.shape))
 
     # ---- overlap: plain steps launch before the previous one's results are read --------------
     def _step_overlapped(self, start: float) -> list[RequestOutput]:
@@ -647,8 +648,10 @@ class LLMEngine:
 
     def _finish(self, finished: list[Sequence]) -> None:
         """Release finished requests (their complete blocks stay cached, draft state included)."""
-        if finished and self.spec is not None and self.blocks.enabled:
-            self.spec.flush(finished, [self.blocks.num_cached_blocks(seq) for seq in finished])
+        if finished and self.spec is not None:
+            if self.blocks.enabled:
+                self.spec.flush(finished, [self.blocks.num_cached_blocks(seq) for seq in finished])
+            self.spec.retire(finished)
         for seq in finished:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)

@@ -16,10 +16,13 @@ def make_proposer(config, target_arch, runner, synthetic=None):
     """The proposer the configuration asks for: EAGLE-3 (a draft model) or prompt lookup (NGRAM)."""
     from .eagle3_proposer import Eagle3Proposer
     from .ngram import NgramProposer
+    from .ngram_history import History
 
     spec = config.speculative
     if spec.speculative_algorithm == "NGRAM":
-        return NgramProposer(spec.speculative_ngram_min_match_window_size, spec.speculative_ngram_max_match_window_size)
+        low, high, capacity = (spec.speculative_ngram_min_match_window_size,
+                               spec.speculative_ngram_max_match_window_size, spec.speculative_ngram_capacity)
+        return NgramProposer(low, high, History(capacity, high) if capacity else None)
     if spec.speculative_algorithm != "EAGLE3":
         raise ValueError(f"unknown speculative algorithm {spec.speculative_algorithm!r}")
     return Eagle3Proposer(spec, target_arch, runner.draft_embedding, runner.num_blocks * runner.block_size,

@@ -98,10 +98,10 @@ class SpecDecoder:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
         return self.proposer.num_slots(shape)
 
-    def drafts(self, seq: Sequence) -> bool:
+    def drafts(self, seq: Sequence, shape: Shape) -> bool:
         """Does seq draft in a speculative step (see `Proposer.drafts`)? Every row does in a step whose shape
         is forced (calibration) and under synthetic acceptance, which accepts by rates, not by the drafts."""
-        return self.forced is not None or self.synthetic is not None or self.proposer.drafts(seq)
+        return self.forced is not None or self.synthetic is not None or self.proposer.drafts(seq, shape)
 
     def record_declined(self, shape: Shape, count: int) -> None:
         """count sequences of a step of this shape declined to draft (`drafts`) and decoded one token each:
@@ -202,6 +202,10 @@ class SpecDecoder:
     def flush(self, seqs: list[Sequence], cached_blocks: list[int]) -> None:
         """These requests finish (see `Proposer.flush`)."""
         self.proposer.flush(seqs, cached_blocks)
+
+    def retire(self, seqs: list[Sequence]) -> None:
+        """These requests are done (see `Proposer.retire`)."""
+        self.proposer.retire(seqs)
 
     def record_step(self, batch_size: int, shape: Shape, seconds: float, drafted: int = 0,
                     tokens: Optional[float] = None, looped: bool = False) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..engine.sequence import Sequence
+from .ngram_history import History
 from .proposer import Proposer
 from .shapes import Shape
 from .tree import DraftTree
@@ -44,6 +45,7 @@ class PromptLookup:
         self.tokens = np.empty(256, dtype=np.int64)  # [capacity], the first `size` entries filled
         self.size = 0
         self.found: tuple[int, np.ndarray, np.ndarray] = (0, np.empty(0, np.int64), np.empty(0, np.int64))
+        self.memo: tuple = (None, [])  # the proposer's last lookup for this request: (its key, what it found)
 
     def _sync(self, tokens: list[int]) -> np.ndarray:
         """The array of tokens (which only ever grow)."""
@@ -72,27 +74,19 @@ class PromptLookup:
         self.found = (len(tokens), ends, length)
         return ends, length
 
-    def matches(self, tokens: list[int]) -> bool:
-        """Does a suffix of at least min_match tokens occur earlier in tokens?"""
-        ends, length = self._matches(tokens)
-        return bool(ends.size) and int(length.max()) >= self.min_match
-
     def continuation(self, tokens: list[int], k: int) -> Optional[list[int]]:
         """The k tokens after the latest earlier occurrence of the longest suffix of tokens (min_match to max_match
         long) found, or None."""
-        if not self.matches(tokens):
-            return None
-        ends, length = self._matches(tokens)
-        end = int(ends[np.flatnonzero(length == length.max())[-1]])  # the latest of the longest
-        return wrapped(tokens, end, k)
+        found = self.continuations(tokens, k, 1)
+        return found[0][1] if found else None
 
-    def continuations(self, tokens: list[int], k: int, limit: int) -> list[list[int]]:
-        """The k tokens after each of up to `limit` occurrences of a suffix of min_match to max_match tokens, the
-        longest match first and the latest first among equals."""
+    def continuations(self, tokens: list[int], k: int, limit: int) -> list[tuple[int, list[int]]]:
+        """Up to `limit` earlier occurrences of a suffix of min_match to max_match tokens, the longest first and the
+        latest first among equals: (tokens matched, the k tokens after it)."""
         ends, length = self._matches(tokens)
         keep = np.flatnonzero(length >= self.min_match)
         order = keep[np.lexsort((-ends[keep], -length[keep]))][:limit]
-        return [wrapped(tokens, int(ends[i]), k) for i in order]
+        return [(int(length[i]), wrapped(tokens, int(ends[i]), k)) for i in order]
 
 
 def wrapped(tokens: list[int], end: int, k: int) -> list[int]:
@@ -145,36 +139,56 @@ def lookup_tree(root: int, found: list[list[int]], shape: Shape, recent: list[in
 
 
 class NgramProposer(Proposer):
-    """Chains (or trees) of prompt-lookup drafts (see the module's docstring)."""
+    """Chains (or trees) of prompt-lookup drafts (see the module's docstring), from the request's own tokens and,
+    with a `History`, from finished requests' (for requests with no cache salt: a salted request neither reads
+    nor adds to it, as it shares no cached KV either)."""
 
-    def __init__(self, min_match: int, max_match: int):
+    def __init__(self, min_match: int, max_match: int, history: Optional[History] = None):
         self.min_match, self.max_match = min_match, max_match
+        self.history = history
 
     def num_slots(self, shape: Shape) -> int:
         return shape.num_nodes
 
-    def _lookup(self, seq: Sequence) -> PromptLookup:
+    def _found(self, seq: Sequence, shape: Shape) -> list[tuple[int, list[int]]]:
+        """The continuations a draft of this shape starts from, ranked (see `PromptLookup.continuations`): the
+        request's own, and the history's where they match longer (the request's first among equals)."""
         if not isinstance(seq.draft_state, PromptLookup):
             seq.draft_state = PromptLookup(self.min_match, self.max_match)
-        return seq.draft_state
+        lookup, tokens = seq.draft_state, seq.token_ids
+        key = (len(tokens), shape)
+        if lookup.memo[0] != key:
+            k, limit = shape.num_nodes - 1 if shape.topk == 1 else shape.steps, 1 if shape.topk == 1 else 2 * (
+                shape.num_nodes - 1)
+            found = lookup.continuations(tokens, k, limit)
+            if self.history is not None and seq.cache_salt is None and (not found or found[0][0] < self.max_match):
+                shared = self.history.continuations(tokens, k, limit)
+                found = sorted(found + shared, key=lambda f: -f[0])[:limit]  # stable: the request's first
+            lookup.memo = (key, found)
+        return lookup.memo[1]
 
-    def drafts(self, seq: Sequence) -> bool:
-        """Only a sequence whose suffix occurs earlier drafts: the others decode beside it."""
-        return self._lookup(seq).matches(seq.token_ids)
+    def drafts(self, seq: Sequence, shape: Shape) -> bool:
+        """Only a sequence whose suffix occurred before (in it or in the history) drafts."""
+        return bool(self._found(seq, shape))
 
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         k = shape.num_nodes - 1
         trees = []
         for seq in seqs:
-            lookup = self._lookup(seq)
-            tokens = seq.token_ids
+            found, root = self._found(seq, shape), seq.token_ids[-1]
             if shape.topk == 1:
-                trees.append(DraftTree.chain(tokens[-1], lookup.continuation(tokens, k) or [tokens[-1]] * k))
+                trees.append(DraftTree.chain(root, found[0][1] if found else [root] * k))
             else:
-                found = lookup.continuations(tokens, shape.steps, limit=2 * k)
-                trees.append(lookup_tree(tokens[-1], found, shape, tokens[-RECENT:]))
+                trees.append(lookup_tree(root, [f[1] for f in found], shape, seq.token_ids[-RECENT:]))
         return trees
 
     def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]],
                 inputs=None) -> None:
         """Nothing to follow: drafts come from the tokens alone."""
+
+    def retire(self, seqs: list[Sequence]) -> None:
+        """Finished requests' tokens join the history (those of requests with no cache salt)."""
+        if self.history is not None:
+            for seq in seqs:
+                if seq.cache_salt is None:
+                    self.history.add(seq.token_ids)

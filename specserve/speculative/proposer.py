@@ -51,11 +51,14 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         """One draft tree of exactly shape.num_nodes nodes per sequence (each has one uncomputed token)."""
 
-    def drafts(self, seq: Sequence) -> bool:
-        """Has seq (one uncomputed token) anything worth drafting at its next step? False: in a speculative
-        step it decodes its one token beside the sequences that verify drafts (a method whose drafts are
-        lookups, when the lookup finds nothing)."""
+    def drafts(self, seq: Sequence, shape: Shape) -> bool:
+        """Has seq (one uncomputed token) anything worth drafting in a step of this shape? False: it decodes
+        its one token beside the sequences that verify drafts (a method whose drafts are lookups, when the
+        lookup finds nothing)."""
         return True
+
+    def retire(self, seqs: list[Sequence]) -> None:
+        """These requests finished: a method that learns across requests keeps what they said."""
 
     @abstractmethod
     def observe(self, aux: Optional[torch.Tensor], committed: list[tuple[Sequence, Union[range, list[int]]]],
