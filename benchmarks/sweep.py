@@ -10,13 +10,13 @@ target was not trained on (its corpus.json lists them; the shipped pair's natura
 pair's tokenizer rarely makes there, so drafts accept less.
 
 `--configs` picks among plain, chain, tree, threshold, adaptive, ngram and ngram-adaptive (prompt lookup,
-chains of up to 4: always, or the adaptive policy's choice), ngram-tree and ngram-tree-adaptive (prompt-lookup
-trees of 8 tokens, depth 4, two children a node, beside chains of up to 4 for the adaptive policy), k0
-(speculation on but never drafting: what a plain step of a speculative engine costs), plain-b (a second plain
-engine: how far apart two identical configurations measure on this machine, the noise floor of every ratio)
-and, to see what the overlap scheduler buys, plain-sync and adaptive-sync (the same with
-`disable_overlap_schedule`), and to see what mixed CUDA graphs buy, plain-eager-prompts and
-adaptive-eager-prompts (`cuda_graph_max_tokens=0`).
+chains of up to 4: always, or the adaptive policy's choice; with finished requests' history), ngram-own and
+ngram-own-adaptive (the same without the history), ngram-tree and ngram-tree-adaptive (prompt-lookup trees of
+8 tokens, depth 4, two children a node, beside chains of up to 4 for the adaptive policy), k0 (speculation on
+but never drafting: what a plain step of a speculative engine costs), plain-b (a second plain engine: how far
+apart two identical configurations measure on this machine, the noise floor of every ratio) and, to see what
+the overlap scheduler buys, plain-sync and adaptive-sync (the same with `disable_overlap_schedule`), and to
+see what mixed CUDA graphs buy, plain-eager-prompts and adaptive-eager-prompts (`cuda_graph_max_tokens=0`).
 `--host-profile DIR` runs each configuration's first round of each level under cProfile and writes its top
 host functions to DIR/CONFIG-cLEVEL.txt (the level's timing then includes the profiler's overhead).
 
@@ -74,6 +74,10 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
                                        cuda_graph_max_tokens=0),
         "ngram": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always"),
         "ngram-adaptive": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="adaptive"),
+        "ngram-own": dict(speculative_algorithm="NGRAM", speculative_num_steps=4, speculative_policy="always",
+                          speculative_ngram_capacity=0),
+        "ngram-own-adaptive": dict(speculative_algorithm="NGRAM", speculative_num_steps=4,
+                                   speculative_policy="adaptive", speculative_ngram_capacity=0),
         "ngram-tree": dict(NGRAM_TREE, speculative_policy="always"),
         "ngram-tree-adaptive": dict(NGRAM_TREE, speculative_policy="adaptive"),
         "plain-sync": dict(speculative_algorithm="none", disable_overlap_schedule=True),
@@ -119,6 +123,9 @@ def main() -> None:
     ap.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="where the held-out files are")
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", default="", help="folder for cProfile tables of each first round")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="each level and round its own prompts (the same for every configuration), none seen before: "
+                         "for methods that learn across requests (NGRAM's history), which repeats would flatter")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     configs = {k: v for k, v in configurations(args.draft).items() if k in args.configs.split(",")}
@@ -138,17 +145,26 @@ def main() -> None:
         if graphs is not None:
             print(f"{name}: {len(graphs.graphs)} CUDA graphs captured in {graphs.capture_seconds:.1f} s, "
                   f"{graphs.capture_bytes / 2**20:.0f} MiB", flush=True)
+    warmup, prompts = prompts[-4:], prompts[:-4] if args.fresh_prompts else prompts
+    need = sum(max(args.requests, c) for c in levels) * args.rounds
+    if args.fresh_prompts and need > len(prompts):
+        raise SystemExit(f"--fresh-prompts needs {need} prompts, and there are {len(prompts)}: fewer requests, levels "
+                         f"or rounds")
     for engine in engines.values():  # warm-up
-        run_level(engine, 2, 4, 16, prompts)
+        run_level(engine, 2, 4, 16, warmup)
     results: dict = {name: {} for name in engines}
+    used = 0
     for c in levels:
         runs: dict = {name: [] for name in engines}
         for r in range(args.rounds):  # interleaved, so the machine's noise hits every configuration alike
+            level_prompts = prompts
+            if args.fresh_prompts:
+                level_prompts, used = prompts[used:used + max(args.requests, c)], used + max(args.requests, c)
             for name, engine in engines.items():
                 host = cProfile.Profile() if args.host_profile and r == 0 else None
                 if host:
                     host.enable()
-                runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens, prompts))
+                runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens, level_prompts))
                 if host:
                     host.disable()
                     os.makedirs(args.host_profile, exist_ok=True)
