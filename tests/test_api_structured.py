@@ -227,3 +227,15 @@ def test_bad_structured_requests_are_400(server, path, extra, param, says):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"text": "x", "sampling_params": {"regex": "(ab", "max_new_tokens": 4}}, "sampling_params"),
+    ({"input_ids": [[1, 2], [3]], "sampling_params": [{"max_new_tokens": 4}, {"regex": "(ab", "max_new_tokens": 4}]},
+     "sampling_params.1"),
+])
+def test_sglang_generate_refuses_an_unusable_constraint(server, body, param):
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and "unusable regex" in error["message"], error

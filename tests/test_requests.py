@@ -214,6 +214,23 @@ def test_token_ids_outside_the_vocabulary_in_options_are_refused_before_any_work
     assert not llm.engine.has_unfinished()
 
 
+def test_a_request_add_request_refuses_is_the_callers_error_and_the_engine_serves_on(hf_models):
+    """What only add_request checks (here a token id outside the vocabulary) reaches the caller of
+    AsyncEngine.generate as its ValueError (a 400 through the server), not as an engine failure, and the next
+    request runs."""
+    engine = AsyncEngine(EngineConfig.from_options(**engine_options(model=hf_models["llama"])))
+
+    async def run(params):
+        return [out async for out in engine.generate([1, 2, 3], params)]
+
+    try:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            asyncio.run(run(SamplingParams(allowed_token_ids=[10**6])))
+        assert engine.healthy and asyncio.run(run(SamplingParams(temperature=0, max_tokens=2)))[-1].finished
+    finally:
+        engine.shutdown()
+
+
 def test_priority_policy_runs_the_most_urgent_first(hf_models, reference):
     """One request at a time: under the priority policy they finish in order of priority (then arrival), and
     each gives the tokens it gives alone; under fcfs a priority is refused."""

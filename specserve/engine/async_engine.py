@@ -74,6 +74,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                if isinstance(item, Rejected):  # the engine refused the request itself: its caller's error
+                    raise item.error
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine failed: {item!r}") from item
                 yield item
@@ -125,8 +127,8 @@ class AsyncEngine:
                 _, ids, params, request_id, options = cmd
                 try:
                     self.engine.add_request(ids, params, request_id, options)
-                except ValueError as e:  # raced with validation: report to this request only
-                    self._deliver(request_id, e)
+                except ValueError as e:  # what only add_request checks (a grammar that does not compile, ...)
+                    self._deliver(request_id, Rejected(e))
             elif cmd[0] == "call":
                 _, fn, args, loop, future = cmd
                 try:
@@ -168,6 +170,13 @@ class AsyncEngine:
             self.engine.close()  # other tensor-parallel ranks may wait inside the failed step: end them
             for request_id in list(self._streams):
                 self._deliver(request_id, e)
+
+
+class Rejected:
+    """A request add_request refused (error: its ValueError, for the caller to raise): not an engine failure."""
+
+    def __init__(self, error: ValueError):
+        self.error = error
 
 
 def _settle(future: asyncio.Future, setter, value) -> None:

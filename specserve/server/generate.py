@@ -32,6 +32,7 @@ from .errors import bad_request
 from .formatting import Envelope, Formatter, TokenText, json_logprob
 from .generation import choice_params, read_body, respond
 from .state import ServerState
+from .structured import check_grammar
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
 # SGLang sampling_params name -> SamplingParams name (the rest: the same name)
@@ -233,8 +234,9 @@ async def generate(request: Request, state: ServerState) -> Response:
             core.check_prompt(ids)
         except RequestError as e:
             raise bad_request(str(e), param if not req.batched else f"{param}.{i}") from None
-        params, n = _sglang_params(opts, core.generation.sampling, core.config.model.max_model_len - len(ids),
-                                   "sampling_params" if not req.batched else f"sampling_params.{i}")
+        where = "sampling_params" if not req.batched else f"sampling_params.{i}"
+        params, n = _sglang_params(opts, core.generation.sampling, core.config.model.max_model_len - len(ids), where)
+        await check_grammar(core.tokenizer, params, where)
         ask = req.logprob_ask(i, len(prompts), len(ids), state.token_text)
         params = ask.params(params) if ask is not None else params
         for choice in choice_params(params, n):  # seeded: choice j uses seed + j, as on /v1/*
