@@ -410,7 +410,8 @@ def test_sglang_generate(server, llm):
     for body, param in [({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
                         ({"sampling_params": {}}, None), ({"text": ["x", ""]}, "text"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens"),
-                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params")]:
+                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params"),
+                        ({"text": ["x", "y"], "sampling_params": {"max_new_tokens": ""}}, "sampling_params.0")]:
         r = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

@@ -160,17 +160,18 @@ def _sglang_params(options: dict[str, Any], defaults: dict[str, Any], room: int,
             kwargs[RENAMED.get(key, key)] = value
         else:
             raise bad_request(f"unknown sampling parameter {key!r}", f"{param}.{key}")
-    if kwargs["max_tokens"] > room:
-        raise bad_request(f"max_new_tokens {kwargs['max_tokens']} exceeds the room left in max_model_len ({room})",
-                          f"{param}.max_new_tokens")
     try:
         if len(structured) > 1:
             raise ValueError(f"{' and '.join(structured)} exclude each other: send one")
         if structured:
             kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
-        return SamplingParams(**kwargs), n
+        params = SamplingParams(**kwargs)  # checks each value's type and range
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param) from None
+    if params.max_tokens > room:
+        raise bad_request(f"max_new_tokens {params.max_tokens} exceeds the room left in max_model_len ({room})",
+                          f"{param}.max_new_tokens")
+    return params, n
 
 
 class GenerateFormatter(Formatter):
