@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -641,6 +642,41 @@ def test_still_serving_after_bad_input(server, client):
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=3)
     assert r.usage.completion_tokens >= 1
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+ODD_VALUES = [None, True, 0, -1, 2, 0.5, -0.5, 1e9, 1e308, "", "x", "1", "(", [], [1], [""], {}, {"a": 1}, 2**64,
+              "a" * 3000, [[1, 2]], [None], 21, {"regex": "("}, {"type": "json_schema"}]
+VALID_BODIES = {"/v1/completions": {"prompt": "x", "max_tokens": 2},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+                "/v1/responses": {"input": "x", "max_output_tokens": 2},
+                "/generate": {"text": "x", "sampling_params": {"max_new_tokens": 2}},
+                "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1, 2]}}
+FIELDS = ["prompt", "messages", "input", "text", "input_ids", "tokens", "temperature", "top_p", "top_k", "min_p", "n",
+          "max_tokens", "stop", "seed", "logprobs", "top_logprobs", "logit_bias", "min_tokens", "stop_token_ids",
+          "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "stream", "stream_options", "echo",
+          "prompt_logprobs", "structured_outputs", "response_format", "tools", "tool_choice", "sampling_params",
+          "return_logprob", "top_logprobs_num", "logprob_start_len", "repetition_penalty", "instructions", "regex",
+          "max_new_tokens", "json_schema", "ebnf"]
+
+
+def test_random_bad_bodies_get_4xx_errors_and_the_server_serves_on(server, client):
+    """Seeded random mutations of valid bodies on every generation route (found /generate's 500s on an unusable
+    regex and a string max_new_tokens): any answer is a 2xx or an OpenAI-shaped 4xx, never a 5xx."""
+    rng = random.Random(0)
+    for _ in range(240):
+        path = rng.choice(list(VALID_BODIES))
+        body = json.loads(json.dumps(VALID_BODIES[path]))
+        for _ in range(rng.randint(1, 3)):
+            inner = body.get("sampling_params")  # /generate's sampling fields, when still a dict
+            target = inner if isinstance(inner, dict) and rng.random() < 0.5 else body
+            field = rng.choice(list(target) if target and rng.random() < 0.5 else FIELDS)  # its own, or any
+            target[field] = rng.choice(ODD_VALUES)
+        r = httpx.post(server.url + path, json=body, headers=server.headers, timeout=60)
+        assert r.status_code < 500, (path, body, r.text)
+        if r.status_code >= 400:
+            error = r.json()["error"]
+            assert error["message"] and error["type"], (path, body, r.text)
+    test_still_serving_after_bad_input(server, client)
 
 
 # ---- load, disconnects --------------------------------------------------------------------------
