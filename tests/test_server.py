@@ -774,6 +774,32 @@ def test_speculative_serving_is_lossless_and_counted(tmp_path, model, llm):
         assert srv.stop() == 0, srv.output()
 
 
+def test_ngram_serving_drafts_a_repeated_request_from_the_first(tmp_path, model, llm):
+    """NGRAM through the server: greedy output equals plain decoding, streamed and not, and a request repeating an
+    earlier one drafts from that one's output (the history of finished requests)."""
+    srv = ServerProcess(tmp_path / "server.log", "--model", model, "--speculative-algorithm", "NGRAM",
+                        "--speculative-num-steps", "3", "--speculative-policy", "always")
+    try:
+        srv.wait_ready()
+        [ref] = llm.generate([PROMPTS[2]], greedy(24))
+        client = srv.client()
+
+        def accepted() -> float:
+            return metric(httpx.get(srv.url + "/metrics").text, "specserve:spec_decode_num_accepted_tokens_total")
+
+        first = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        before = accepted()
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert first.choices[0].text == "".join(c.choices[0].text for c in stream) == ref.text
+        # alone, the second would draft exactly as the first did (the same tokens, the same lookups): 14 of 18
+        # possible drafts here; from the first one's output it drafts more (17)
+        assert accepted() - before > before
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 # ---- shutdown -----------------------------------------------------------------------------------
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
 LLAMA3_CALL = {"type": "object", "properties": {"name": {"const": "add"}, "parameters": ADD},
