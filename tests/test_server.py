@@ -789,13 +789,15 @@ def test_ngram_serving_drafts_a_repeated_request_from_the_first(tmp_path, model,
 
         first = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True})
-        before = accepted()
+        before, kept = accepted(), srv.info()["spec"]["proposer"]["history_tokens"]
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24, temperature=0,
                                            stream=True, extra_body={"ignore_eos": True})
         assert first.choices[0].text == "".join(c.choices[0].text for c in stream) == ref.text
         # alone, the second would draft exactly as the first did (the same tokens, the same lookups): 14 of 18
         # possible drafts here; from the first one's output it drafts more (17)
         assert accepted() - before > before
+        grown = first.usage.prompt_tokens + 24 + 1  # the second request's tokens and a separator
+        assert srv.info()["spec"]["proposer"] == {"history_tokens": kept + grown, "history_capacity": 1 << 20}
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -119,6 +119,7 @@ class ServerState:
         spec["mean_acceptance_length"] = core.stats.spec.mean_acceptance_length
         spec["synthetic_acceptance_rates"] = core.config.speculative.speculative_synthetic_acceptance_rates
         spec["controller"] = core.spec.controller.explain() if core.spec is not None else None
+        spec["proposer"] = core.spec.proposer.info() if core.spec is not None else None
         cache, blocks = core.stats.prefix_cache, core.blocks
         prefix = stats.pop("prefix_cache")
         prefix.update(enabled=blocks.enabled, hit_rate=cache.hit_rate, device_hit_rate=cache.device_hit_rate,

@@ -186,6 +186,11 @@ class NgramProposer(Proposer):
                 inputs=None) -> None:
         """Nothing to follow: drafts come from the tokens alone."""
 
+    def info(self) -> dict:
+        history = self.history
+        return {"history_tokens": min(history.written, history.capacity) if history else 0,
+                "history_capacity": history.capacity if history else 0}
+
     def retire(self, seqs: list[Sequence]) -> None:
         """Finished requests' tokens join the history (those of requests with no cache salt)."""
         if self.history is not None:

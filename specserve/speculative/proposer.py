@@ -57,6 +57,10 @@ class Proposer(ABC):
         lookup finds nothing)."""
         return True
 
+    def info(self) -> dict:
+        """What the proposer keeps, for /server_info."""
+        return {}
+
     def retire(self, seqs: list[Sequence]) -> None:
         """These requests finished: a method that learns across requests keeps what they said."""
 
