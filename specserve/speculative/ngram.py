@@ -123,18 +123,15 @@ def lookup_tree(root: int, found: list[list[int]], shape: Shape, recent: list[in
         frontier += ranked(node)[:shape.topk]
     used = {token[c] for c in children[0].values() if c in kept}
     guesses = (t for t in dict.fromkeys(recent[::-1] + list(range(2 * shape.num_nodes))) if t not in used)
-    while len(kept) < shape.num_nodes:  # filler: the last children of the root
-        node = len(token)
-        token.append(next(guesses)), rank.append(len(found) + node), children.append({})
-        children[0][-node] = node
-        kept.add(node)
+    fillers = list(range(len(token), len(token) + shape.num_nodes - len(kept)))  # the root's last children
+    token += [next(guesses) for _ in fillers]
     order, parents, index = [0], [-1], {0: 0}
     for node in order:  # grows while read: breadth first
-        for child in ranked(node):
-            if child in kept:
-                index[child] = len(order)
-                order.append(child)
-                parents.append(index[node])
+        trie = [c for c in ranked(node) if c in kept] if node < len(children) else []  # a filler has none
+        for child in trie + (fillers if node == 0 else []):
+            index[child] = len(order)
+            order.append(child)
+            parents.append(index[node])
     return DraftTree([token[n] for n in order], parents)
 
 
