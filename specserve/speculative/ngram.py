@@ -137,8 +137,8 @@ def lookup_tree(root: int, found: list[list[int]], shape: Shape, recent: list[in
 
 class NgramProposer(Proposer):
     """Chains (or trees) of prompt-lookup drafts (see the module's docstring), from the request's own tokens and,
-    with a `History`, from finished requests' (for requests with no cache salt: a salted request neither reads
-    nor adds to it, as it shares no cached KV either)."""
+    with a `History`, from finished requests' (for requests with no cache salt: a salted request, or one on a LoRA
+    adapter, neither reads nor adds to it, as it shares no cached KV either)."""
 
     def __init__(self, min_match: int, max_match: int, history: Optional[History] = None):
         self.min_match, self.max_match = min_match, max_match
@@ -155,8 +155,9 @@ class NgramProposer(Proposer):
         lookup, tokens = seq.draft_state, seq.token_ids
         key = (len(tokens), shape)
         if lookup.memo[0] != key:
-            k, limit = shape.num_nodes - 1 if shape.topk == 1 else shape.steps, 1 if shape.topk == 1 else 2 * (
-                shape.num_nodes - 1)
+            chain = shape.topk == 1
+            k = shape.num_nodes - 1 if chain else shape.steps  # a chain's drafts, a tree's depth
+            limit = 1 if chain else 2 * (shape.num_nodes - 1)
             found = lookup.continuations(tokens, k, limit)
             if self.history is not None and seq.cache_salt is None and (not found or found[0][0] < self.max_match):
                 shared = self.history.continuations(tokens, k, limit)
