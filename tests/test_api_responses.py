@@ -157,7 +157,6 @@ def test_streamed_events_add_up_to_the_response(client):
     ({"input": [{"type": "computer_call"}]}, "input.0", "type must be one of"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "required"),
     ({"input": "x", "background": True}, "background", "not supported"),
-    ({"input": "x", "truncation": "auto"}, "truncation", "not supported"),
     ({"input": ""}, "input", "empty"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens 100000"),
     ({"input": "x", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
@@ -168,6 +167,28 @@ def test_refused_requests_name_the_field(server, body, param, words):  # noqa: F
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_truncation_auto_drops_the_oldest_turns_that_do_not_fit(server, client, llm):  # noqa: F811
+    """OpenAI's truncation 'auto': where the conversation would not fit max_model_len (1024) with room for
+    max_output_tokens, its oldest whole turns are dropped (the instructions and the last message stay), as few
+    as fit; the answer is the offline engine's greedy output on what is left. 'disabled' refuses the same."""
+    turns = [{"role": role, "content": f"{role} turn {i}: " + " ".join(f"w{i}x{j}" for j in range(40))}
+             for i in range(6) for role in ("user", "assistant")]
+    conversation = turns + [{"role": "user", "content": "the question"}]
+    system = [{"role": "system", "content": "be brief"}]
+    body = dict(model=MODEL, instructions="be brief", input=conversation, max_output_tokens=8, temperature=0)
+    assert len(rendered(llm, system + conversation)) > 1024 - 8
+    kept = next(conversation[d:] for d in range(0, len(conversation), 2)
+                if len(rendered(llm, system + conversation[d:])) <= 1024 - 8)  # whole turns from the oldest
+    assert 1 < len(kept) < len(conversation)
+    [want] = llm.generate([rendered(llm, system + kept)], greedy(8))
+    response = client.responses.create(**body, truncation="auto")
+    assert response.truncation == "auto" and response.output_text == want.text
+    assert response.usage.input_tokens == len(rendered(llm, system + kept))
+    r = httpx.post(server.url + "/v1/responses", json=dict(body, truncation="disabled"), headers=server.headers,
+                   timeout=30)
+    assert r.status_code == 400, r.text
 
 
 def test_cached_input_tokens_are_the_prefix_cache_hits_within_a_cache_salt(server, client):  # noqa: F811

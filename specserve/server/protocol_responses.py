@@ -217,7 +217,8 @@ class ResponsesRequest(SamplingFields):
     include: Optional[list[str]] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
-    truncation: Optional[Literal["disabled"]] = Field(None, description="'auto' (dropping context) is not supported")
+    truncation: Optional[Literal["auto", "disabled"]] = Field(
+        None, description="'auto': the conversation's oldest turns are dropped where the input would not fit")
     background: Optional[Literal[False]] = Field(None, description="true is not supported")
     previous_response_id: Optional[Annotated[str, Field(min_length=1)]] = Field(
         None, description="continue a stored response's conversation (with --responses-store-size)")
@@ -238,13 +239,6 @@ class ResponsesRequest(SamplingFields):
     def _no_background(cls, v):
         if v:
             raise ValueError("background responses are not supported: the server answers while the client waits")
-        return v
-
-    @field_validator("truncation", mode="before")
-    @classmethod
-    def _no_truncation(cls, v):
-        if v == "auto":
-            raise ValueError("truncation 'auto' is not supported: the input must fit max_model_len")
         return v
 
     @property
@@ -288,20 +282,28 @@ class ResponsesRequest(SamplingFields):
                 messages[-1]["reasoning_content"], reasoning = reasoning, None
         return messages
 
-    def chat_messages(self, previous: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
-        """The instructions as a system message, then the conversation."""
+    def chat_messages(self, previous: list[dict[str, Any]] = (), drop: int = 0) -> list[dict[str, Any]]:
+        """The instructions as a system message, then the conversation, of which the first `drop` messages are
+        left out, and then any that would open it with something else than a user turn (a tool result, an
+        assistant message), so that only whole turns go."""
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return system + self.conversation(previous)
+        conversation = self.conversation(previous)
+        if drop:
+            conversation = conversation[drop:]
+            while len(conversation) > 1 and conversation[0]["role"] != "user":
+                conversation = conversation[1:]
+        return system + conversation
 
-    def to_chat(self, previous: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+    def to_chat(self, previous: list[dict[str, Any]] = (), drop: int = 0) -> ChatCompletionRequest:
         """The chat request this one asks for (the same sampling, tools, constraint and stream), after the
-        messages of `previous` (a stored conversation)."""
+        messages of `previous` (a stored conversation), the first `drop` of its messages left out
+        (`chat_messages`)."""
         fields = self.model_dump(include=set(SamplingFields.model_fields), exclude_none=True)
         tool_choice = self.tool_choice
         if isinstance(tool_choice, FunctionChoice):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         fields.update(
-            model=self.model, stream=self.stream, messages=self.chat_messages(previous),
+            model=self.model, stream=self.stream, messages=self.chat_messages(previous, drop),
             max_tokens=self.max_output_tokens,
             tool_choice=tool_choice, parallel_tool_calls=self.parallel_tool_calls,
             chat_template_kwargs=self.chat_template_kwargs,

@@ -295,7 +295,7 @@ class ResponseObject(_Response):
     tools: list[dict[str, Any]]
     top_logprobs: int
     top_p: float
-    truncation: Literal["disabled"]
+    truncation: Literal["auto", "disabled"]
     usage: Optional[ResponseUsage] = Field(description="null until the response ends")
     user: Optional[str]
 

@@ -28,11 +28,12 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..engine.engine import RequestOutput
 from ..sampling_params import SamplingParams
-from .chat import ChatFormatter, submission
+from .chat import ChatFormatter, render_prompt, submission
 from .errors import APIError, bad_request, from_validation_error
 from .formatting import Envelope, new_logprobs
 from .generation import as_api_error, parse_request, respond
 from .parsers import THINK_CLOSE, ChatDelta
+from .protocol import ChatCompletionRequest
 from .protocol_responses import InputItem, ItemReference, ResponsesRequest
 from .response_store import ResponseStore, StoredResponse
 from .state import ServerState
@@ -234,7 +235,8 @@ class ResponseFormatter(ChatFormatter):
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p, "truncation": "disabled",
+            "top_logprobs": req.top_logprobs or 0, "top_p": self.params.top_p,
+            "truncation": req.truncation or "disabled",
             "usage": self._usage(out) if out is not None else None, "user": req.user,
         }
 
@@ -323,12 +325,36 @@ def referenced(store: ResponseStore, req: ResponsesRequest) -> ResponsesRequest:
     return req.model_copy(update={"input": items})
 
 
+def fitted(engine, req: ResponsesRequest, previous: list[dict]) -> ChatCompletionRequest:
+    """req as a chat request; with truncation 'auto', the fewest of the conversation's oldest messages dropped
+    (whole turns; the instructions and the last message stay) for the prompt to leave max_output_tokens (at
+    least one token) of room, OpenAI's 'dropping input items in the middle of the conversation'. Where even
+    the last message alone does not fit, the request is what submission then refuses."""
+    chat = req.to_chat(previous)
+    if req.truncation != "auto":
+        return chat
+    room = engine.engine.config.model.max_model_len - (req.max_output_tokens or 1)
+
+    def fits(drop: int) -> bool:
+        return len(render_prompt(engine.tokenizer, req.to_chat(previous, drop))) <= room
+
+    lo, hi = 0, len(req.conversation(previous)) - 1  # drop counts: none, all but the last message
+    if hi <= 0 or fits(lo):
+        return chat
+    if not fits(hi):
+        return req.to_chat(previous, hi)
+    while hi - lo > 1:  # fits(hi), not fits(lo): the prompt only shortens as more is dropped
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return req.to_chat(previous, hi)
+
+
 async def create_response(request: Request, state: ServerState) -> Response:
     engine, req = await parse_request(request, state, ResponsesRequest)
     previous = _previous(state, req)
     req = referenced(state.responses, req)
     try:
-        chat = req.to_chat(previous)
+        chat = fitted(engine, req, previous)
         sub = await submission(engine, state, chat)
     except ValidationError as e:
         raise _in_responses_terms(from_validation_error(e)) from None
