@@ -33,6 +33,7 @@ from .shapes import Shape
 from .tree import DraftTree
 
 RECENT = 64  # a tree's filler guesses come from the request's last RECENT tokens
+FEW = 16  # up to this many earlier occurrences of the last token are extended in Python, more in numpy
 
 
 class PromptLookup:
@@ -63,16 +64,25 @@ class PromptLookup:
         if self.found[0] == len(tokens):
             return self.found[1], self.found[2]
         a = self._sync(tokens)  # [L]
-        last = len(a) - 1
         ends = np.flatnonzero(a[:-1] == a[-1]) + 1  # [C] where an occurrence of the last token ends
-        length = np.ones(ends.size, dtype=np.int64)  # [C] tokens matched backwards from each
-        alive = np.ones(ends.size, dtype=bool)
-        for back in range(1, min(self.max_match, last)):
-            before = ends - 1 - back  # [C] the token `back` places before each occurrence's last
-            alive &= (before >= 0) & (a[np.maximum(before, 0)] == a[last - back])
-            length += alive
+        most = min(self.max_match, len(tokens) - 1)  # tokens a match may span
+        if ends.size <= FEW:  # a few candidates: compared in Python, cheaper than numpy's calls
+            length = np.array([self._span(tokens, end, most) for end in ends.tolist()], dtype=np.int64)
+        else:
+            back = np.arange(1, most)  # [most - 1]
+            before = ends[:, None] - 1 - back  # [C, most - 1] the tokens before each occurrence's last
+            same = (before >= 0) & (a[np.maximum(before, 0)] == a[-1 - back])  # [C, most - 1]
+            length = 1 + np.cumprod(same, axis=1).sum(axis=1)  # [C] tokens matched backwards from each
         self.found = (len(tokens), ends, length)
         return ends, length
+
+    @staticmethod
+    def _span(tokens: list[int], end: int, most: int) -> int:
+        """How many tokens before index `end` match the suffix of tokens, up to most."""
+        n = 1
+        while n < most and end - 1 - n >= 0 and tokens[end - 1 - n] == tokens[-1 - n]:
+            n += 1
+        return n
 
     def continuation(self, tokens: list[int], k: int) -> Optional[list[int]]:
         """The k tokens after the latest earlier occurrence of the longest suffix of tokens (min_match to max_match

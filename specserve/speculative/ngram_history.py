@@ -10,6 +10,8 @@ of the request it came from (a candidate with fewer than k tokens after it is dr
 """
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 SEPARATOR = -1  # after each request's tokens in the ring
@@ -18,22 +20,25 @@ SEPARATOR = -1  # after each request's tokens in the ring
 class History:
     def __init__(self, capacity: int, max_match: int, buckets: int = 1 << 16, ways: int = 8):
         """capacity: tokens kept (separators included); max_match: the longest suffix compared."""
-        self.capacity, self.max_match, self.ways = capacity, max_match, ways
-        self.ring = np.full(capacity, SEPARATOR, dtype=np.int64)  # [capacity] token at position p % capacity
+        self.capacity, self.max_match, self.buckets, self.ways = capacity, max_match, buckets, ways
+        # Python arrays for a lookup's few reads (an item of one costs far less than one of numpy's), numpy views
+        # of the same memory for an addition's many writes
+        self.ring = array("q", [SEPARATOR]) * capacity  # [capacity] the token at position p % capacity
+        self.table = array("q", [-1]) * (buckets * ways)  # [buckets * ways] positions just past a pair (-1: none)
+        self._ring, self._table = np.frombuffer(self.ring, dtype=np.int64), np.frombuffer(self.table, dtype=np.int64)
         self.written = 0  # positions written so far: the ring holds [written - capacity, written)
-        # [buckets, ways] positions just past a pair's occurrence (-1: none)
-        self.table = np.full((buckets, ways), -1, dtype=np.int64)
 
-    def _rows(self, first: np.ndarray, second: np.ndarray) -> np.ndarray:
-        return (first * 1_000_003 + second) % self.table.shape[0]
+    def _row(self, first, second):
+        """The table row of a pair of tokens (ints or arrays of them)."""
+        return (first * 1_000_003 + second) % self.buckets
 
     def add(self, tokens: list[int]) -> None:
         """Keep a finished request's tokens (the latest `capacity` - 1 of them when it has more)."""
         ids = np.asarray(tokens[-(self.capacity - 1):] + [SEPARATOR], dtype=np.int64)  # [n]
         positions = self.written + np.arange(ids.size)  # [n]
-        self.ring[positions % self.capacity] = ids
+        self._ring[positions % self.capacity] = ids
         ends = positions[2:-1]  # just past each pair of the request's tokens (the last pair ends at the separator)
-        self.table[self._rows(ids[:-3], ids[1:-2]), ends % self.ways] = ends
+        self._table[self._row(ids[:-3], ids[1:-2]) * self.ways + ends % self.ways] = ends
         self.written += ids.size
 
     def continuations(self, tokens: list[int], k: int, limit: int) -> list[tuple[int, list[int]]]:
@@ -41,19 +46,21 @@ class History:
         latest first among equals: (tokens matched, the k tokens after it)."""
         if len(tokens) < 2 or not self.written:
             return []
-        oldest = max(0, self.written - self.capacity)
-        ends = self.table[self._rows(np.int64(tokens[-2]), np.int64(tokens[-1]))]  # [ways]
-        ends = ends[(ends - 2 >= oldest) & (ends + k <= self.written)]
-        ring, cap = self.ring, self.capacity
-        ends = ends[(ring[(ends - 1) % cap] == tokens[-1]) & (ring[(ends - 2) % cap] == tokens[-2])]
-        after = ring[(ends[:, None] + np.arange(k)) % cap]  # [C, k]
-        keep = (after != SEPARATOR).all(1)
-        ends, after = ends[keep], after[keep]
-        length = np.full(ends.size, 2, dtype=np.int64)
-        alive = np.ones(ends.size, dtype=bool)
-        for back in range(2, min(self.max_match, len(tokens))):
-            before = ends - 1 - back
-            alive &= (before >= oldest) & (ring[before % cap] == tokens[-1 - back])
-            length += alive
-        order = np.lexsort((-ends, -length))[:limit]
-        return [(int(length[i]), after[i].tolist()) for i in order]
+        ring, cap, first, last = self.ring, self.capacity, tokens[-2], tokens[-1]
+        oldest = max(0, self.written - cap)
+        start = self._row(first, last) * self.ways
+        found = []
+        for end in self.table[start:start + self.ways]:
+            if end - 2 < oldest or end + k > self.written or ring[(end - 1) % cap] != last \
+                    or ring[(end - 2) % cap] != first:
+                continue
+            after = [ring[(end + i) % cap] for i in range(k)]
+            if SEPARATOR in after:  # its request ends sooner
+                continue
+            length = 2
+            while length < min(self.max_match, len(tokens)) and end - 1 - length >= oldest \
+                    and ring[(end - 1 - length) % cap] == tokens[-1 - length]:
+                length += 1
+            found.append((length, end, after))
+        found.sort(key=lambda f: (-f[0], -f[1]))
+        return [(length, after) for length, _, after in found[:limit]]
