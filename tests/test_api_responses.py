@@ -10,6 +10,7 @@ field. On the scripted model (test_server_tool_path's) reasoning and a function 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -156,7 +157,8 @@ def test_streamed_events_add_up_to_the_response(client):
      "input_image"),
     ({"input": [{"type": "computer_call"}]}, "input.0", "type must be one of"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0.call_id", "required"),
-    ({"input": "x", "background": True}, "background", "not supported"),
+    ({"input": "x", "background": True, "store": False}, "background", "read from the store"),
+    ({"input": "x", "background": True, "stream": True}, "stream", "not streamed"),
     ({"input": ""}, "input", "empty"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens", "max_output_tokens 100000"),
     ({"input": "x", "tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
@@ -255,6 +257,35 @@ def test_stored_responses_continue_their_conversation(server, client, llm):  # n
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)  # the oldest of five went
     assert client.responses.retrieve(later[0]).id == later[0]
+
+
+def test_background_responses_are_polled_to_the_end_or_cancelled(server, client, llm):  # noqa: F811
+    """background: the answer is the queued response; GET reads it in progress, then the finished response, whose
+    output is the offline engine's greedy one; a running one cancelled is stored as cancelled, without output,
+    and cannot be cancelled again."""
+    kw = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+    queued = client.responses.create(input="Hi.", max_output_tokens=8, background=True, **kw)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    done = poll(client, queued.id, lambda r: r.status not in ("queued", "in_progress"))
+    [ref] = llm.generate([rendered(llm, [{"role": "user", "content": "Hi."}])], greedy(8))
+    assert (done.status, done.output_text, done.background) == ("incomplete", ref.text, True)
+    running = client.responses.create(input="Hi.", max_output_tokens=900, background=True, **kw)
+    poll(client, running.id, lambda r: r.status == "in_progress")
+    cancelled = client.responses.cancel(running.id)
+    assert (cancelled.status, cancelled.output) == ("cancelled", [])
+    assert client.responses.retrieve(running.id).status == "cancelled"
+    r = httpx.post(f"{server.url}/v1/responses/{running.id}/cancel", headers=server.headers, timeout=30)
+    assert r.status_code == 400 and "no background response in progress" in r.json()["error"]["message"]
+    assert server.info()["num_requests_in_flight"] == 0
+
+
+def poll(client, response_id: str, until, timeout: float = 60):
+    """The stored response once `until` holds for it."""
+    deadline = time.monotonic() + timeout
+    while not until(response := client.responses.retrieve(response_id)):
+        assert time.monotonic() < deadline, response.status
+        time.sleep(0.02)
+    return response
 
 
 def test_item_references_stand_for_stored_output_items(server, client, llm):  # noqa: F811

@@ -44,6 +44,7 @@ from .responses import (
     Version,
 )
 from .responses_api import create_response, input_items_page, stored_response
+from .responses_background import cancel as cancel_background
 from .state import ServerState
 from .tokenize import detokenize, tokenize
 from .weights_api import add_weight_routes
@@ -213,7 +214,7 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
 
     @app.post("/v1/responses", **_generation_docs(ResponsesRequest, ResponseObject, ResponseStreamEvent, done=False))
     async def responses(request: Request) -> Response:
-        """OpenAI's Responses API (server/responses_api.py); nothing is stored."""
+        """OpenAI's Responses API (server/responses_api.py; background: server/responses_background.py)."""
         return await create_response(request, state)
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_errors(401, 404))
@@ -226,6 +227,11 @@ def build_app(state: ServerState, lifespan=None) -> FastAPI:
                               before: Optional[str] = None) -> JSONResponse:
         """OpenAI's list of a stored response's input items (newest first by default)."""
         return JSONResponse(input_items_page(stored_response(state, response_id), limit, order, after, before))
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponseObject, responses=_errors(400, 401))
+    async def cancel_response(response_id: str) -> JSONResponse:
+        """OpenAI's: end a background response in progress (server/responses_background.py)."""
+        return await cancel_background(state, response_id)
 
     @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_errors(401, 404))
     async def delete_response(response_id: str) -> JSONResponse:

@@ -9,7 +9,8 @@ sampling fields are chat's, vLLM's extras included. `previous_response_id` conti
 conversation (the server keeps the latest --responses-store-size responses; none by default, as vLLM, and then it
 is refused with a 400 that says so); its instructions are not carried over, as in OpenAI's API. An
 `item_reference` names an output item (message, reasoning, function call) of a stored response, which takes its
-place (`responses_api`); background responses are refused.
+place (`responses_api`); `background` responses run on after the answer, kept in the store
+(`responses_background`).
 `reasoning` (effort, summary) and `include` values other than "message.output_text.logprobs" are accepted and
 have no effect (the model reasons as its chat template has it).
 """
@@ -219,7 +220,9 @@ class ResponsesRequest(SamplingFields):
     store: Optional[bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = Field(
         None, description="'auto': the conversation's oldest turns are dropped where the input would not fit")
-    background: Optional[Literal[False]] = Field(None, description="true is not supported")
+    background: Optional[bool] = Field(None, description="answer at once (queued) and run on: poll GET "
+                                                         "/v1/responses/{id}, end it with POST .../cancel "
+                                                         "(with --responses-store-size; not streamed)")
     previous_response_id: Optional[Annotated[str, Field(min_length=1)]] = Field(
         None, description="continue a stored response's conversation (with --responses-store-size)")
     service_tier: Optional[str] = None
@@ -233,13 +236,6 @@ class ResponsesRequest(SamplingFields):
         if v == "" or v == []:
             raise ValueError("the input is empty")
         return [{"role": "user", "content": v}] if isinstance(v, str) else v
-
-    @field_validator("background", mode="before")
-    @classmethod
-    def _no_background(cls, v):
-        if v:
-            raise ValueError("background responses are not supported: the server answers while the client waits")
-        return v
 
     @property
     def wants_logprobs(self) -> bool:

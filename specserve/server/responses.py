@@ -276,8 +276,8 @@ class ResponseObject(_Response):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    background: Literal[False]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+    background: bool
     error: Optional[ResponseError]
     incomplete_details: Optional[dict[str, str]] = Field(description="reason max_output_tokens when incomplete")
     instructions: Optional[str]

@@ -36,6 +36,7 @@ from .parsers import THINK_CLOSE, ChatDelta
 from .protocol import ChatCompletionRequest
 from .protocol_responses import InputItem, ItemReference, ResponsesRequest
 from .response_store import ResponseStore, StoredResponse
+from .responses_background import start_background
 from .state import ServerState
 from .streams import OutputStream
 
@@ -65,6 +66,7 @@ class ResponseFormatter(ChatFormatter):
         super().__init__(*args, **kwargs)
         self.req, self.params, self.tokenizer = req, params, tokenizer
         self.store, self.conversation = store, list(conversation)
+        self.input_items = req.input_items(_new_id)  # as stored (ids given once)
         self.items: list[dict] = []  # the output items so far, in the order they began
         self.open: Optional[int] = None  # the reasoning or function call item being written
         self.message: Optional[int] = None  # the message item, open until the end
@@ -200,8 +202,14 @@ class ResponseFormatter(ChatFormatter):
         """The finished response, stored when it is to be."""
         body = self._body(status, out)
         if self.store is not None:
-            self.store.put(StoredResponse(body, self.conversation + [self._as_chat_message()],
-                                          self.req.input_items(_new_id)))
+            self.store.put(StoredResponse(body, self.conversation + [self._as_chat_message()], self.input_items))
+        return body
+
+    def store_status(self, status: str, error: Optional[dict] = None) -> dict:
+        """A background response's state before it has its output (queued, in_progress) or without one
+        (cancelled, failed), stored; its body."""
+        body = self._body(status, None, error)
+        self.store.put(StoredResponse(body, self.conversation, self.input_items))
         return body
 
     def _as_chat_message(self) -> dict:
@@ -223,7 +231,8 @@ class ResponseFormatter(ChatFormatter):
         fmt = req.text.format if req.text and req.text.format else None
         choice = req.tool_choice or "auto"
         return {
-            "id": env.id, "object": "response", "created_at": env.created, "status": status, "background": False,
+            "id": env.id, "object": "response", "created_at": env.created, "status": status,
+            "background": bool(req.background),
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {}, "model": env.model,
@@ -366,6 +375,8 @@ async def create_response(request: Request, state: ServerState) -> Response:
                             schemas=chat.template_tools(), req=req, params=sub.params, tokenizer=engine.tokenizer,
                             store=state.responses if state.responses.enabled and req.store is not False else None,
                             conversation=req.conversation(previous))
+    if req.background:
+        return start_background(state, req, sub, fmt)
     return await respond(request, state, chat, [(sub.prompt_ids, sub.params)], [fmt],
                          body=lambda formatters, outs, _: formatters[0].response(outs[0]), events=response_events,
                          options=state.request_options(req))

@@ -2,6 +2,7 @@
 and the server's phase (starting -> serving -> draining, or failed)."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 from typing import Optional
@@ -43,6 +44,7 @@ class ServerState:
         self.startup_error: Optional[BaseException] = None
         self.metrics = ServerMetrics(model_name, lambda: self.engine)
         self.responses = ResponseStore(options.responses_store_size)
+        self.background: dict[str, asyncio.Task] = {}  # background responses running, by id
 
     def attach(self, engine: AsyncEngine) -> None:
         """Take the loaded engine (the server starts serving once it is warmed: `phase`)."""
