@@ -8,6 +8,15 @@ from typing import Optional, Union
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 
+class SamplingParamError(ValueError):
+    """A sampling parameter out of its range or type; `param`: the field it names first (None: none)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"invalid sampling parameter: {message}")
+        first = message.split(" ", 1)[0].rstrip(",:")  # "temperature", "structured_outputs.regex", "bad", ...
+        self.param = first if first.split(".")[0] in SamplingParams.__dataclass_fields__ else None
+
+
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's `StructuredOutputsParams`); exactly one of:
@@ -135,7 +144,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(msg: str) -> None:
-            raise ValueError(f"invalid sampling parameter: {msg}")
+            raise SamplingParamError(msg)
 
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
@@ -206,8 +215,7 @@ class SamplingParams:
                           ("allowed_token_ids", self.allowed_token_ids or []), ("bad_words", words)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise ValueError(f"invalid sampling parameter: {name} token id {bad[0]} is outside the "
-                                 f"vocabulary (size {vocab_size})")
+                raise SamplingParamError(f"{name} token id {bad[0]} is outside the vocabulary (size {vocab_size})")
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """Tokenize bad_words into bad_words_token_ids as vLLM does: each word without its leading spaces, and
@@ -217,13 +225,12 @@ class SamplingParams:
         if not self.bad_words or self._tokenized_words == self.bad_words:
             return
         if tokenizer is None:
-            raise ValueError("invalid sampling parameter: bad_words needs the model's tokenizer, and this model "
-                             "folder has none")
+            raise SamplingParamError("bad_words needs the model's tokenizer, and this model folder has none")
         ids = []
         for word in self.bad_words:
             alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
             if not alone:
-                raise ValueError(f"invalid sampling parameter: bad word {word!r} tokenizes to no tokens")
+                raise SamplingParamError(f"bad_words: {word!r} tokenizes to no tokens")
             ids.append(list(alone))
             inside = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if len(inside) == len(alone) and inside[0] != alone[0]:

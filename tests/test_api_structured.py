@@ -199,7 +199,7 @@ def test_a_named_function_is_called(client, name):
     ("/v1/completions", {"response_format": {"type": "json_schema"}}, "response_format", "json_schema is required"),
     ("/v1/completions", {"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, None,
      "exclude each other"),
-    ("/v1/completions", {"guided_json": {"type": "object"}, "min_tokens": 2}, None, "min_tokens"),
+    ("/v1/completions", {"guided_json": {"type": "object"}, "min_tokens": 2}, "min_tokens", "min_tokens"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "'nope', which is not in tools"),

@@ -13,6 +13,7 @@ from specserve import ConfigError, RequestError, SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.async_engine import AsyncEngine
 from specserve.models import UnsupportedModel, WeightError
+from specserve.sampling_params import SamplingParamError, StructuredOutputsParams
 
 from .conftest import assert_pool_full, engine_options, hf_greedy, make_llm, mixed_prompts
 
@@ -90,9 +91,12 @@ def test_bad_input_is_refused_before_work(llm, hf_models, tmp_path):
     with pytest.raises(RequestError, match="empty"):
         llm.generate([[]])
     for bad, msg in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_p=1.5), "top_p"),
-                     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k")]:
-        with pytest.raises(ValueError, match=msg):
+                     (dict(max_tokens=0), "max_tokens"), (dict(top_k=-5), "top_k"),
+                     (dict(logit_bias={3: 500}), "logit_bias"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+                     (dict(structured_outputs=StructuredOutputsParams(choice=[])), "structured_outputs.choice")]:
+        with pytest.raises(SamplingParamError, match=msg) as refused:  # a ValueError that names the field
             SamplingParams(**bad)
+        assert refused.value.param == msg
     # one bad prompt among good ones: nothing runs, the pool stays full
     with pytest.raises(RequestError):
         llm.generate([[3, 4, 5], [5] * 600])

@@ -411,8 +411,9 @@ def test_sglang_generate(server, llm):
     for body, param in [({"text": "x", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
                         ({"sampling_params": {}}, None), ({"text": ["x", ""]}, "text"),
                         ({"text": "x", "sampling_params": {"max_new_tokens": 5000}}, "sampling_params.max_new_tokens"),
-                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params"),
-                        ({"text": ["x", "y"], "sampling_params": {"max_new_tokens": ""}}, "sampling_params.0")]:
+                        ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+                        ({"text": ["x", "y"], "sampling_params": {"max_new_tokens": ""}},
+                         "sampling_params.0.max_new_tokens")]:
         r = httpx.post(server.url + "/generate", json=body, headers=server.headers, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
@@ -603,7 +604,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "priority": 1}, 400, "priority"),  # the server schedules fcfs
     ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id"),  # no store
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, None),
+    ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": [5] * 1100}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt"),

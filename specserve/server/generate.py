@@ -41,6 +41,9 @@ SAME = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence
         "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed", "logit_bias")
 CONSTRAINTS = {"regex": "regex", "json_schema": "json", "ebnf": "grammar"}
 IGNORED = ("spaces_between_special_tokens",)  # SGLang's, no effect here
+# a SamplingParams field (or structured_outputs.<kind>) -> SGLang's name, for errors
+SGLANG_NAMES = {**{ours: theirs for theirs, ours in RENAMED.items()},
+                **{f"structured_outputs.{kind}": key for key, kind in CONSTRAINTS.items()}}
 
 
 class GenerateRequest(BaseModel):
@@ -167,7 +170,8 @@ def _sglang_params(options: dict[str, Any], defaults: dict[str, Any], room: int,
             kwargs["structured_outputs"] = StructuredOutputsParams(**structured)
         params = SamplingParams(**kwargs)  # checks each value's type and range
     except (ValueError, TypeError) as e:
-        raise bad_request(str(e), param) from None
+        field = getattr(e, "param", None)  # a SamplingParamError names it
+        raise bad_request(str(e), f"{param}.{SGLANG_NAMES.get(field, field)}" if field else param) from None
     if params.max_tokens > room:
         raise bad_request(f"max_new_tokens {params.max_tokens} exceeds the room left in max_model_len ({room})",
                           f"{param}.max_new_tokens")

@@ -108,13 +108,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
         if structured is not None:
             options["structured_outputs"] = StructuredOutputsParams(**structured)
         params = SamplingParams(**options)
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-    try:
         params.update_from_tokenizer(core.tokenizer)
         params.check_token_ids(core.arch.vocab_size)
-    except ValueError as e:
-        raise bad_request(str(e), "bad_words") from None
+    except ValueError as e:  # SamplingParamError names the field
+        raise bad_request(str(e), getattr(e, "param", None)) from None
     return params
 
 
