@@ -797,8 +797,9 @@ def test_ngram_serving_drafts_a_repeated_request_from_the_first(tmp_path, model,
         # alone, the second would draft exactly as the first did (the same tokens, the same lookups): 14 of 18
         # possible drafts here; from the first one's output it drafts more (17)
         assert accepted() - before > before
-        grown = first.usage.prompt_tokens + 24 + 1  # the second request's tokens and a separator
-        assert srv.info()["spec"]["proposer"] == {"history_tokens": kept + grown, "history_capacity": 1 << 20}
+        each = first.usage.prompt_tokens + 24 + 1  # a request's tokens and a separator (the warm-up is salted: none)
+        assert kept == each and srv.info()["spec"]["proposer"] == {"history_tokens": 2 * each,
+                                                                    "history_capacity": 1 << 20}
     finally:
         assert srv.stop() == 0, srv.output()
 

@@ -24,6 +24,7 @@ import uvicorn
 
 from ..config import ConfigError, EngineConfig
 from ..engine.async_engine import AsyncEngine, EngineDeadError
+from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams
 from .app import build_app
 from .middleware import AccessLog
@@ -49,9 +50,11 @@ class _Server(uvicorn.Server):
 
 
 async def warm_up(engine: AsyncEngine) -> None:
-    """One tiny request through the whole engine path, so the first client does not pay for it."""
+    """One tiny request through the whole engine path, so the first client does not pay for it (under a cache
+    salt of its own: what it says is nobody's, neither cached prefix nor NGRAM history)."""
     ids = (engine.engine.tokenize("Hello") if engine.tokenizer is not None else []) or [0]
-    async for _ in engine.generate(ids, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "warm-up"):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    async for _ in engine.generate(ids, params, "warm-up", RequestOptions(cache_salt="specserve warm-up")):
         pass
 
 
