@@ -41,7 +41,10 @@ def with_words(params: SamplingParams, words: list[list[int]]) -> SamplingParams
 def hf_banned(logits: torch.Tensor, words: list[list[int]], output: list[int]) -> torch.Tensor:
     if not words:
         return logits
-    return tf.NoBadWordsLogitsProcessor(words)(torch.tensor([output], dtype=torch.long), logits[None].clone())[0]
+    # the output left-padded with -1 (no token): transformers 5.17 skips a word longer than the context where it
+    # should compare the word's prefix alone (5.25 compares the prefix)
+    context = [-1] * max(map(len, words)) + output
+    return tf.NoBadWordsLogitsProcessor(words)(torch.tensor([context], dtype=torch.long), logits[None].clone())[0]
 
 
 def reference(logits: torch.Tensor, seq, output: list[int]) -> torch.Tensor:
