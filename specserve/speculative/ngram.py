@@ -45,8 +45,8 @@ class PromptLookup:
         self.min_match, self.max_match = min_match, max_match
         self.tokens = np.empty(256, dtype=np.int64)  # [capacity], the first `size` entries filled
         self.size = 0
-        self.found: tuple[int, np.ndarray, np.ndarray] = (0, np.empty(0, np.int64), np.empty(0, np.int64))
-        self.memo: tuple = (None, [])  # the proposer's last lookup for this request: (its key, what it found)
+        self.memo: tuple = (None, [])  # the proposer's last lookup for this request (drafts() then propose()):
+        # (its key, what it found)
 
     def _sync(self, tokens: list[int]) -> np.ndarray:
         """The array of tokens (which only ever grow)."""
@@ -60,9 +60,7 @@ class PromptLookup:
 
     def _matches(self, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Every earlier occurrence of the suffix: where each ends ([C], the index after its last token, <= L - 1)
-        and how many tokens of the suffix it matches backwards ([C], 1 to max_match). Kept until the tokens grow."""
-        if self.found[0] == len(tokens):
-            return self.found[1], self.found[2]
+        and how many tokens of the suffix it matches backwards ([C], 1 to max_match)."""
         a = self._sync(tokens)  # [L]
         ends = np.flatnonzero(a[:-1] == a[-1]) + 1  # [C] where an occurrence of the last token ends
         most = min(self.max_match, len(tokens) - 1)  # tokens a match may span
@@ -73,7 +71,6 @@ class PromptLookup:
             before = ends[:, None] - 1 - back  # [C, most - 1] the tokens before each occurrence's last
             same = (before >= 0) & (a[np.maximum(before, 0)] == a[-1 - back])  # [C, most - 1]
             length = 1 + np.cumprod(same, axis=1).sum(axis=1)  # [C] tokens matched backwards from each
-        self.found = (len(tokens), ends, length)
         return ends, length
 
     @staticmethod
