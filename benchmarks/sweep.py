@@ -4,6 +4,9 @@
                                [--prompts heldout|builtin] [--model PATH --draft PATH] [--device cpu|cuda]
                                [--out sweep.json] [--host-profile DIR]
 
+`--temperature T [--top-p P] [--sampled-share S]` makes the requests (or a share S of them, spread evenly)
+sample; greedy otherwise.
+
 Prompts: `heldout` (default), the opening 128 tokens of each Python standard-library file the shipped
 target was not trained on (its corpus.json lists them; the shipped pair's natural workload, as in
 `default_pair.py`); `builtin`, eight short code headers, which end at a newline, a token boundary the
@@ -86,15 +89,33 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
     }
 
 
-def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int, prompts: list = PROMPTS) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def request_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, share: float = 1.0):
+    """Request i's sampling parameters: greedy, or at `temperature` / `top_p` for a `share` of the requests
+    spread evenly (request i samples when floor((i + 1) * share) > floor(i * share)), the rest greedy."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sampled = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True)
+    if temperature == 0:
+        return lambda i: greedy
+    return lambda i: sampled if int((i + 1) * share) > int(i * share) else greedy
+
+
+def sampling_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled requests' temperature (0: all greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--sampled-share", type=float, default=1.0,
+                    help="with --temperature: the share of requests that sample, spread evenly; the rest greedy")
+
+
+def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int, prompts: list = PROMPTS,
+              params_for=None) -> dict:
+    params_for = params_for or request_params(max_tokens)
     issued = finished = tokens = 0
     spec = engine.stats.spec
     drafts, accepted = spec.num_drafts, spec.num_accepted_tokens
     ks, start = [], time.perf_counter()
     while finished < total:
         while issued < total and issued - finished < concurrency:
-            engine.add_request(prompts[issued % len(prompts)], params)
+            engine.add_request(prompts[issued % len(prompts)], params_for(issued))
             issued += 1
         for out in engine.step():
             if out.finished:
@@ -126,7 +147,9 @@ def main() -> None:
     ap.add_argument("--fresh-prompts", action="store_true",
                     help="each level and round its own prompts (the same for every configuration), none seen before: "
                          "for methods that learn across requests (NGRAM's history), which repeats would flatter")
+    sampling_args(ap)
     args = ap.parse_args()
+    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share)
     levels = [int(x) for x in args.levels.split(",")]
     configs = {k: v for k, v in configurations(args.draft).items() if k in args.configs.split(",")}
     engines = {name: LLMEngine(EngineConfig.from_options(model=args.model, device=args.device,
@@ -164,7 +187,8 @@ def main() -> None:
                 host = cProfile.Profile() if args.host_profile and r == 0 else None
                 if host:
                     host.enable()
-                runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens, level_prompts))
+                runs[name].append(run_level(engine, c, max(args.requests, c), args.max_tokens, level_prompts,
+                                            params_for))
                 if host:
                     host.disable()
                     os.makedirs(args.host_profile, exist_ok=True)

@@ -14,9 +14,9 @@ every level C; output tokens/s per level. The prefix cache is off unless `--pref
 reuse one prompt list, so with it on, later levels and profiles would skip prefills earlier ones paid.
 Prompts are random token ids of log-uniform length between --prompt-len-min and --prompt-len-max
 (default 256-2048, median ~720: coding and agent prompts), the same for every configuration; 200
-greedy tokens each, EOS ignored. `--requests` may be one number or one per level. One engine at a time
-(an 8B engine holds ~16 GB of weights and its graphs), built once per configuration; the profiles run on
-it in turn, the controller's learned acceptance reset between them and `--warmup` requests run first.
+greedy tokens each (`--temperature` as in sweep.py: sampled), EOS ignored. `--requests` may be one number
+or one per level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once per
+configuration; the profiles run on it in turn, the controller's learned acceptance reset between them and `--warmup` requests run first.
 
 Profiles (entry i: probability that the first i+1 drafts are accepted):
 - shipped: the shipped pair's measured rates (README: chain 0.77 0.61 0.53; tree 0.88 0.70 0.54 0.43 0.33);
@@ -50,6 +50,18 @@ TARGET = os.path.join(HERE, "configs", "llama-3.1-8b")
 DRAFT = os.path.join(HERE, "configs", "llama-3.1-8b-eagle3")
 
 
+def request_params(*args):
+    from sweep import request_params  # benchmarks/ is on sys.path as a script
+
+    return request_params(*args)
+
+
+def sampling_args(ap) -> None:
+    from sweep import sampling_args
+
+    sampling_args(ap)
+
+
 def configurations(draft: str) -> dict[str, dict]:
     """sweep.py's configurations, the threshold at SGLang's 32, without the overlap-off variants."""
     from sweep import configurations as sweep_configurations  # benchmarks/ is on sys.path as a script
@@ -63,11 +75,10 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(1000, vocab) for _ in range(length)] for length in lengths]
 
 
-def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids: list) -> dict:
-    """Closed loop: `concurrency` requests in flight until `total` finished; what the level measured."""
-    from specserve.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids: list, params_for=None) -> dict:
+    """Closed loop: `concurrency` requests in flight until `total` finished; what the level measured.
+    params_for(i): request i's sampling parameters (sweep.request_params; default greedy)."""
+    params_for = params_for or request_params(max_tokens)
     stats, spec = engine.stats, engine.stats.spec
     before = (stats.num_steps, spec.num_drafts, spec.num_accepted_tokens, spec.draft_time_s, spec.verify_time_s)
     issued = finished = tokens = 0
@@ -76,7 +87,7 @@ def run_level(engine, concurrency: int, total: int, max_tokens: int, prompt_ids:
     start = time.perf_counter()
     while finished < total:
         while issued < total and issued - finished < concurrency:
-            seq = engine.add_request(prompt_ids[issued % len(prompt_ids)], params)
+            seq = engine.add_request(prompt_ids[issued % len(prompt_ids)], params_for(issued))
             started[seq.request_id] = time.perf_counter()
             issued += 1
         t0, prompted = time.perf_counter(), stats.num_prompt_tokens
@@ -145,6 +156,7 @@ def sweep(args) -> dict:
     prompt_ids = prompts(max(max(requests), max(levels)), args.prompt_len_min, args.prompt_len_max, vocab)
     results = json.load(open(args.out)) if args.resume and os.path.exists(args.out) else {}
     configs = configurations(args.draft)
+    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share)
     for name in args.configs.split(","):
         shape = "tree" if configs[name].get("speculative_eagle_topk", 1) > 1 else "chain"
         plain = name.startswith("plain")
@@ -161,10 +173,10 @@ def sweep(args) -> dict:
             key = f"{name}/{profile}" + (f"@pass{n}" if n > 1 else "")
             if profile != "none":
                 set_profile(engine, profile_rates(profile, configs[name]))
-            run_level(engine, args.warmup, args.warmup, args.max_tokens, prompt_ids[::-1])
+            run_level(engine, args.warmup, args.warmup, args.max_tokens, prompt_ids[::-1], params_for)
             results[key] = {"startup_s": startup, "rates": PROFILES.get(profile, {}).get(shape), "levels": {}}
             for c, n in zip(levels, requests):
-                r = run_level(engine, c, max(n, c), args.max_tokens, prompt_ids)
+                r = run_level(engine, c, max(n, c), args.max_tokens, prompt_ids, params_for)
                 if engine.spec is not None and engine.spec.controller.policy == "adaptive":
                     r["controller"] = engine.spec.controller.explain()  # why it chose as it did
                     r["step_times"] = step_times(engine.spec.controller)
@@ -275,6 +287,7 @@ def main() -> None:
     ap.add_argument("--merge", nargs="+", help="no run: merge these result files into --out")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot")
+    sampling_args(ap)
     args = ap.parse_args()
     if args.merge:
         results = {}

@@ -137,3 +137,24 @@ def test_shape_switches_inside_a_run(pair, prompts, plain):
         if loop:
             assert spec.loop.launches > 20
     assert seen[True] == seen[False]
+
+
+def test_sampling_rows_run_in_the_loop(pair, prompts, plain):
+    """Chains whose rows sample (by temperature; by top-k and top-p beside it) run in the loop's graphs: their
+    greedy rows still emit plain decoding's text, every row emits what it asked for, and KV ends free. A
+    seeded row keeps its batch out of the loop (seeded draws are the step path's)."""
+    from .test_speculative_sampling import looped_modes
+
+    llm, _ = speculative(pair, True, "chain")
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for mode, sampled in (("sampled", dict(temperature=0.8)), ("filtered", dict(temperature=0.8, top_p=0.9, top_k=20)),
+                          (None, dict(temperature=0.8, seed=5))):
+        modes = looped_modes(llm)
+        params = [greedy if i % 2 else SamplingParams(max_tokens=NEW, ignore_eos=True, **sampled)
+                  for i in range(len(prompts))]
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs][1::2] == plain[1::2]
+        assert all(len(o.token_ids) == NEW for o in outs)
+        assert modes == ({mode} if mode else set()), modes
+        del llm.engine.spec.loop._launch  # looped_modes' recorder: the class's method again
+        assert_pool_full(llm)

@@ -8,7 +8,7 @@ import torch
 
 from specserve import SamplingParams
 
-from .conftest import assert_pool_full, make_llm
+from .conftest import DEVICE, assert_pool_full, make_llm
 from .eagle_utils import make_pair
 from .stats import chi_square_pvalue, reference_distribution
 
@@ -47,26 +47,51 @@ CHAIN = dict(speculative_num_steps=2, speculative_eagle_topk=1)
 TREE = dict(speculative_num_steps=3, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
 
 
-@pytest.mark.parametrize("target, spec", [("pair", CHAIN), ("pair", TREE), ("moe_pair", CHAIN)],
-                         ids=["chain", "tree", "moe_chain"])
-def test_emitted_distribution_matches_target(request, target, spec):
+CASES = {"chain": ("pair", CHAIN, PARAMS), "tree": ("pair", TREE, PARAMS), "moe_chain": ("moe_pair", CHAIN, PARAMS),
+         # temperature alone: on CUDA the loop's other sampling graphs (on the CPU the chain case's path)
+         "chain_temperature": ("pair", CHAIN, dict(temperature=0.8))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_emitted_distribution_matches_target(request, case):
+    target, spec, params = CASES[case]
+    if case == "chain_temperature" and DEVICE["name"] != "cuda":
+        pytest.skip("the same eager path as the chain case on this device")
     target, draft = request.getfixturevalue(target)
     llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, max_num_seqs=512,
                    max_num_batched_tokens=4096, speculative_policy="always", **spec)
-    outs = llm.generate([PROMPT] * N, SamplingParams(max_tokens=3, ignore_eos=True, **PARAMS))
+    modes = looped_modes(llm)
+    outs = llm.generate([PROMPT] * N, SamplingParams(max_tokens=3, ignore_eos=True, **params))
     # ~60 accepted on average (45-68 over seeds 0-5 on CPU): enough to exercise the accepted path
     assert llm.engine.stats.spec.num_accepted_tokens > 25, "drafts must be accepted for the test to mean anything"
     assert_pool_full(llm)
+    if llm.engine.spec.loop is not None and spec is CHAIN:  # CUDA: the verify steps ran in the loop's graphs
+        assert modes == {"filtered" if "top_p" in params else "sampled"}, modes
     # the 2nd and 3rd tokens come out of verify steps (accepted drafts or recovered/bonus tokens)
     first = Counter(o.token_ids[0] for o in outs).most_common(1)[0][0]
     given_first = [o.token_ids for o in outs if o.token_ids[0] == first]
     second = Counter(ids[1] for ids in given_first).most_common(1)[0][0]
     checks = [(PROMPT + [first], [ids[1] for ids in given_first]),
               (PROMPT + [first, second], [ids[2] for ids in given_first if ids[1] == second])]
+    top_p = params.get("top_p", 1.0)
     for prefix, tokens in checks:
         assert len(tokens) > 300
         counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double()
         logits = target_logits(target, prefix)
-        assert chi_square_pvalue(counts, reference_distribution(logits, **PARAMS)) > 1e-3
-        wrong = reference_distribution(logits, temperature=PARAMS["temperature"] * 1.6, top_p=PARAMS["top_p"])
+        assert chi_square_pvalue(counts, reference_distribution(logits, params["temperature"], top_p=top_p)) > 1e-3
+        wrong = reference_distribution(logits, temperature=params["temperature"] * 1.6, top_p=top_p)
         assert chi_square_pvalue(counts, wrong) < 1e-4  # the test has the power to see a skew
+
+
+def looped_modes(llm) -> set:
+    """The modes of the speculative loop's launches from now on (recorded as they happen; empty without a loop)."""
+    loop, modes = llm.engine.spec.loop, set()
+    if loop is not None:
+        launch = loop._launch
+
+        def recording(seqs, shape, draws, mode):
+            modes.add(mode)
+            return launch(seqs, shape, draws, mode)
+
+        loop._launch = recording
+    return modes

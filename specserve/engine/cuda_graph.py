@@ -69,14 +69,17 @@ def capturing():
             gc.enable()
 
 
-def capture_all(keys: list[tuple], run) -> tuple[dict, dict]:
+def capture_all(keys: list[tuple], run, generators: tuple = ()) -> tuple[dict, dict]:
     """One graph per key of run(*key), sharing one memory pool, each captured after a warm-up run
-    (kernels compiled, allocator settled); returns the graphs and their static outputs by key."""
+    (kernels compiled, allocator settled); returns the graphs and their static outputs by key. generators:
+    CUDA generators run draws from, registered with every graph (each replay draws new numbers)."""
     graphs, outputs, pool = {}, {}, None
     with capturing():
         for key in keys:
             run(*key)
             graph = torch.cuda.CUDAGraph()
+            for generator in generators:
+                graph.register_generator_state(generator)
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 outputs[key] = run(*key)
             pool = graph.pool() if pool is None else pool

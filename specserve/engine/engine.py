@@ -200,7 +200,7 @@ class LLMEngine:
         self.shape: Shape = PLAIN
         self.overlap = not config.execution.disable_overlap_schedule
         self.inflight: Optional[InFlight] = None
-        self.flight: Optional[LoopFlight] = None  # a greedy speculative step in flight (overlap)
+        self.flight: Optional[LoopFlight] = None  # a looped speculative step in flight (overlap)
         self.flight_done: list[Sequence] = []  # finished during the run: released when it drains
         self.run_opened = 0.0  # seconds the step that began the run of looped steps in flight took
         self.run_times: dict[Shape, list] = {}  # per shape: [steps, seconds, tokens] of the run (`_loop_drain`)
@@ -379,7 +379,7 @@ class LLMEngine:
         return shape.num_nodes, self.spec.num_slots(shape)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the outputs it completed. With overlap on, a plain step (and a greedy
+        """Run one step; return the outputs it completed. With overlap on, a plain step (and a looped
         speculative step in a run of them) returns the outputs of the step before it, whose host work ran while this
         one was on the device."""
         entered = time.perf_counter()
@@ -458,7 +458,7 @@ class LLMEngine:
             self.spec.record_step(len(batch), PLAIN, time.perf_counter() - start)
         return outputs
 
-    # ---- overlap: greedy speculative steps launch before the previous one's verdicts are read ------------
+    # ---- overlap: looped speculative steps launch before the previous one's verdicts are read ------------
     def _loop_starts(self, batch: list[ScheduledSeq], speculating: list[ScheduledSeq]) -> bool:
         """Does this step start a run of looped steps: every running sequence drafts and the run's graphs fit?"""
         return (self.overlap and bool(speculating) and len(speculating) == len(batch) == len(self.scheduler.running)
@@ -470,7 +470,7 @@ class LLMEngine:
         flight can accept plus the next step's slots?"""
         flight = self.flight
         if (self.shape.steps == 0 or self.flight_done or self.scheduler.running != flight.seqs
-                or self.scheduler.prefill_pending() or not self.spec.loop_runs(self.shape, len(flight.seqs))):
+                or self.scheduler.prefill_pending() or not self.spec.loop_runs(self.shape, flight)):
             return False
         n, slots = flight.shape.num_nodes, self.spec.num_slots(self.shape)
         if any(seq.num_tokens + n + slots > self.config.model.max_model_len for seq in flight.seqs):

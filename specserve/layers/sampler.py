@@ -89,15 +89,25 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     """
     device = logits.device
     temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-    logits = logits.float() / temps.unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_k):
-        k = to_device(top_k, torch.long, device).unsqueeze(1)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, k - 1)  # [n, 1]
+    k = to_device(top_k, torch.long, device) if any(k < vocab for k in top_k) else None
+    top_p = to_device([p.top_p for p in params], torch.float32, device) if any(p.top_p < 1 for p in params) else None
+    min_p = to_device([p.min_p for p in params], torch.float32, device) if any(p.min_p > 0 for p in params) else None
+    return filter_logits(logits, temps, k, top_p, min_p)
+
+
+def filter_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: Optional[torch.Tensor] = None,
+                  top_p: Optional[torch.Tensor] = None, min_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`filtered_logits` from device tensors, nothing read on the host (CUDA graphs capture it): logits
+    [n, vocab]; per row temps [n] (1 for greedy rows), top_k [n] (vocab: off), top_p [n] (1: off), min_p [n]
+    (0: off); a filter passed as None is off for every row."""
+    logits = logits.float() / temps.unsqueeze(1)
+    if top_k is not None:
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, top_k.unsqueeze(1) - 1)  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p.top_p < 1 for p in params):
-        top_p = to_device([p.top_p for p in params], torch.float32, device).unsqueeze(1)
+    if top_p is not None:
+        top_p = top_p.unsqueeze(1)  # [n, 1]
         sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass strictly before each token
@@ -105,10 +115,9 @@ def filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         drop_sorted[:, 0] = False  # the most likely token is always kept (top_p 1e-300 is 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if any(p.min_p > 0 for p in params):
-        min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
+    if min_p is not None:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
 
 

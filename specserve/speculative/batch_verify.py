@@ -240,12 +240,13 @@ def verify_greedy_trees(tokens: torch.Tensor, parents: torch.Tensor, logits: tor
 
 
 def verify_chains(tokens: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor, probs: torch.Tensor,
-                  uniforms: torch.Tensor, noise: torch.Tensor, argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
+                  uniforms: torch.Tensor, noise: torch.Tensor, argmax: Optional[torch.Tensor] = None,
+                  drawn: Optional[torch.Tensor] = None) -> BatchVerdict:
     """`verify_batch` for chains (node i's parent is i - 1), same arguments but the parents, in fewer operations:
     draft i is accepted when every draft before it is and uniforms[b, i - 1] < p(draft i | node i - 1) (greedy
     rows: when it is the argmax after node i - 1); a sampling row's final token is drawn with noise from the
-    target's distribution after its last accepted node less the draft rejected there. The same random numbers
-    give `verify_batch`'s verdict."""
+    target's distribution after its last accepted node less the draft tested next. The same random numbers
+    give `verify_batch`'s verdict. drawn [B]: drafts to accept instead where >= 0 (synthetic acceptance)."""
     b, n = tokens.shape
     v = probs.shape[-1]
     argmax = logits.argmax(-1) if argmax is None else argmax  # [B, N]
@@ -253,6 +254,8 @@ def verify_chains(tokens: torch.Tensor, logits: torch.Tensor, greedy: torch.Tens
     target_p = probs[:, :-1].gather(2, drafts[:, :, None]).squeeze(2).double()  # [B, N - 1] p(draft | parent)
     accepted = torch.where(greedy[:, None], drafts == argmax[:, :-1], uniforms[:, :-1].double() < target_p)
     accept_len = accepted.long().cumprod(1).sum(1)  # [B]
+    if drawn is not None:
+        accept_len = torch.where(drawn >= 0, drawn, accept_len)
     rejected = torch.where(accept_len + 1 < n, tokens.gather(1, (accept_len + 1).clamp(max=n - 1)[:, None]).squeeze(1),
                            v)  # [B] the draft tested and rejected after the last accepted node (v: none)
     hit = torch.zeros(b, v + 1, dtype=torch.bool, device=tokens.device).scatter_(1, rejected[:, None], True)

@@ -53,7 +53,7 @@ class SpecDecoder:
             spec.speculative_disable_batch_threshold, token_budget=config.scheduler.max_num_batched_tokens)
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
-        self.loop = None  # greedy speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
+        self.loop = None  # speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -142,14 +142,14 @@ class SpecDecoder:
                 self.stats.record(shape.k, a)
                 self.controller.record_verify(shape, a, spine)
 
-    # ---- greedy speculation in the overlap pipeline (eagle3_loop.py) ----------------------------
+    # ---- speculation in the overlap pipeline (eagle3_loop.py) ------------------------------------
     def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
         """Can seqs run speculative steps of this shape with the host one step behind?"""
         return self.loop is not None and self.loop.fits(seqs, shape)
 
-    def loop_runs(self, shape: Shape, rows: int) -> bool:
-        """Can a run of this many rows go on with a step of this shape?"""
-        return self.loop.runs(shape, rows)
+    def loop_runs(self, shape: Shape, flight: LoopFlight) -> bool:
+        """Can flight's run (its rows, its mode) go on with a step of this shape?"""
+        return self.loop.runs(shape, len(flight.seqs), flight.mode)
 
     def start_loop(self, seqs: list[Sequence], shape: Shape) -> LoopFlight:
         """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""

@@ -1,19 +1,26 @@
-"""Greedy EAGLE-3 speculation with the host one step behind: speculative steps in the overlap pipeline.
+"""EAGLE-3 speculation with the host one step behind: speculative steps in the overlap pipeline.
 
-In steady state a greedy speculative step needs nothing from the host. Its draft catches up on what the
+In steady state a speculative step needs nothing from the host. Its draft catches up on what the
 previous verify accepted (tokens and target features already on the device), drafts a chain or grows
 candidates and keeps the best as a tree (`device_trees`), the target verifies it (tree attention from
 ancestor bits built on the device), the accepted branch's KV moves into place, and the verdict becomes the
-next step's draft inputs. One CUDA graph per (batch size, shape) runs all of it on the static buffers of
-the draft graphs (`DraftGraphs`) and the target's (`GraphRunner`) and leaves each row's accept length and
+next step's draft inputs. One CUDA graph per (batch size, shape, mode) runs all of it on the static buffers
+of the draft graphs (`DraftGraphs`) and the target's (`GraphRunner`) and leaves each row's accept length and
 output tokens for the host, which copies them without waiting.
 
 The engine launches step N+1 before it reads step N's result, with KV reserved for the most step N can
 accept; while it applies step N (stop checks, outputs) the device runs step N+1. Anything that changes the
 batch (a request finishes, arrives or is aborted, the controller switches shape, the KV pool runs short)
 drains the pipeline: the last step's result is read and `hand_back` leaves every sequence's draft state as
-the synchronous path would. Verification is `chain_verdict`'s and `tree_accepted`'s (synthetic
-acceptance: the host's draws of each step, along each tree's spine as `SyntheticAcceptance.verify_batch`).
+the synchronous path would.
+
+A run's mode says how its rows verify (`run_mode`): GREEDY rows by argmax alone (`chain_verdict`,
+`tree_accepted`); chains whose rows sample (unseeded, by temperature: SAMPLED; also top-k, top-p or min-p:
+FILTERED) by `verify_chains` against `filter_logits`' distribution, each row's parameters in a device buffer
+set when the run starts and its random numbers from the loop's generator, registered with the graphs so each
+replay draws afresh. Trees with sampling rows, seeded rows and rows that want logprobs, logits processing, a
+grammar or an adapter take the engine's step path. Synthetic acceptance: the host's draws of each step,
+along each tree's spine as `SyntheticAcceptance.verify_batch`.
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
-from .batch_verify import chain_accept_len, chain_verdict, path_end, path_verdict, tree_accepted
+from ..layers.sampler import filter_logits
+from .batch_verify import chain_accept_len, chain_verdict, path_end, path_verdict, tree_accepted, verify_chains
 from .eagle3_proposer import DraftState
 from .shapes import Shape
 from .synthetic import chain_drawn, spine_path
@@ -48,6 +56,7 @@ class LoopFlight:
     shape: Shape
     host: torch.Tensor  # [rows, N + 3] pinned: accept length, spine accepted, spine length, the output tokens
     event: torch.cuda.Event  # recorded after the copy to `host`
+    mode: str  # how its rows verify (`run_mode`)
 
     def read(self) -> list[tuple[int, list[int], tuple[int, int]]]:
         """Per row: drafts accepted, the tokens the step emits (the accepted drafts, then the target's), and
@@ -56,11 +65,27 @@ class LoopFlight:
         return [(r[0], r[3:r[0] + 4], (r[1], r[2])) for r in self.host[:len(self.seqs)].tolist()]
 
 
-def plain_greedy(seq: Sequence) -> bool:
-    """Does seq verify by argmax alone (greedy, no logits processing, grammar or logprobs), on the base model (a
-    LoRA adapter's steps take the engine's step path)?"""
+GREEDY, SAMPLED, FILTERED = "greedy", "sampled", "filtered"
+LOOP_SEED = 0x5EED100B  # the loop's generator: the model seed xor this (a stream apart from the sampler's)
+
+
+def loops(seq: Sequence) -> bool:
+    """May seq verify inside the loop: no logprobs, logits processing or grammar, unseeded if it samples, on
+    the base model (a LoRA adapter's steps take the engine's step path)?"""
     p = seq.params
-    return p.greedy and p.logprobs is None and not p.processes_logits and not p.guided and not seq.lora
+    return (p.logprobs is None and not p.processes_logits and not p.guided and not seq.lora
+            and (p.greedy or p.seed is None))
+
+
+def run_mode(seqs: list[Sequence]) -> Optional[str]:
+    """How a run of these sequences verifies: GREEDY (every row by argmax), SAMPLED (some rows sample by
+    temperature alone), FILTERED (some row also filters by top-k, top-p or min-p); None: one cannot loop."""
+    if not all(map(loops, seqs)):
+        return None
+    sampling = [s.params for s in seqs if not s.params.greedy]
+    if not sampling:
+        return GREEDY
+    return FILTERED if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampling) else SAMPLED
 
 
 class SpecLoop:
@@ -72,7 +97,11 @@ class SpecLoop:
         self.proposer, self.draft, self.target, self.kv_cache = proposer, draft, target, kv_cache
         self.shapes = [s for s in draft.shapes if s.num_nodes in target.sizes]
         self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
+        self.modes = {s: (GREEDY, SAMPLED, FILTERED) if s.topk == 1 else (GREEDY,) for s in self.shapes}
         dev, max_bs = draft.ids.device, draft.live.shape[0]
+        # [5, B] per row of a sampling run: temperature (1: greedy), top_k (0: off), top_p, min_p, greedy (1 / 0)
+        self.row_params = torch.zeros(5, max_bs, device=dev)
+        self.generator = torch.Generator(device=dev).manual_seed(proposer.seed ^ LOOP_SEED)
         most = max((s.num_nodes for s in self.shapes), default=1)
         # trees may come with synthetic draws (their graphs then walk spines); chains take draws whenever they come
         # (start-up calibration's chains accepting none or all)
@@ -89,7 +118,7 @@ class SpecLoop:
         self.tables_version: list[int] = []  # block table lengths as last copied to the device
 
     # ---- what the graph runs ---------------------------------------------------------------------
-    def _run(self, bs: int, shape: Shape) -> None:
+    def _run(self, bs: int, shape: Shape, mode: str) -> None:
         d, t, n = self.draft, self.target, shape.num_nodes
         tokens, parents, depths, bits = self._draft(bs, shape)  # each [bs, n]; bits None for chains
         ends, live = d.ends[:bs], d.live[:bs]
@@ -108,7 +137,7 @@ class SpecLoop:
             t.tree_lens[:bs].copy_(torch.where(live, n, 0))
         logits, aux = t._run(bs, n)  # [bs * n, vocab], [bs * n, aux_dim]
         if bits is None:
-            verdict = self._verify_chains(tokens, logits.view(bs, n, -1))
+            verdict = self._verify_chains(tokens, logits.view(bs, n, -1), mode)
         else:
             on_path, final = self._verify(tokens, parents, bits, logits.view(bs, n, -1))
             verdict = path_verdict(tokens, on_path, final)
@@ -150,14 +179,26 @@ class SpecLoop:
             on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], on_path)
         return on_path, path_end(on_path, argmax, self.draft.const.arange(n))
 
-    def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor):
+    def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor, mode: str):
         """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
-        synthetic draw accept `chain_drawn`'s drafts)."""
-        n = tokens.shape[1]
+        synthetic draw accept `chain_drawn`'s drafts); sampling rows by `verify_chains` (see the module's
+        docstring)."""
+        bs, n, vocab = logits.shape
         argmax = logits.argmax(-1)  # [bs, n]
-        want, detour = self.want[0, :tokens.shape[0]], self.want[1, :tokens.shape[0]]
-        drawn = chain_drawn(want, detour, n)  # [bs]
-        return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
+        want, detour = self.want[0, :bs], self.want[1, :bs]
+        drawn = torch.where(want >= 0, chain_drawn(want, detour, n), -1)  # [bs]
+        if mode == GREEDY:
+            return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
+        temps, top_k, top_p, min_p = self.row_params[:4, :bs].repeat_interleave(n, 1)  # each [bs * n]
+        filters = ()
+        if mode == FILTERED:
+            top_k = top_k.long()
+            filters = (torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), top_p, min_p)
+        probs = filter_logits(logits.view(bs * n, vocab), temps, *filters).softmax(-1).view(bs, n, vocab)
+        uniforms = torch.rand(bs, n, device=logits.device, generator=self.generator)  # [bs, n]
+        noise = torch.empty(bs, vocab, device=logits.device).exponential_(generator=self.generator)  # [bs, vocab]
+        greedy = self.row_params[4, :bs] > 0  # [bs]
+        return verify_chains(tokens, logits, greedy, probs, uniforms, noise, argmax, drawn)
 
     def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor) -> None:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
@@ -195,21 +236,22 @@ class SpecLoop:
     @torch.inference_mode()
     def capture(self) -> float:
         start = time.perf_counter()
-        keys = [(bs, s) for s in self.shapes for bs in reversed(self.sizes[s])]
+        keys = [(bs, s, m) for s in self.shapes for m in self.modes[s] for bs in reversed(self.sizes[s])]
         self.draft.live.zero_()
-        self.graphs, _ = capture_all(keys, self._run)
+        self.graphs, _ = capture_all(keys, self._run, generators=(self.generator,))
         torch.cuda.synchronize(self.want.device)
         seconds = time.perf_counter() - start
         log.info("captured %d speculative-step CUDA graphs in %.1f s", len(self.graphs), seconds)
         return seconds
 
     def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
-        """Can these sequences start a run of this shape (a captured batch size, plain greedy)?"""
-        return self.runs(shape, len(seqs)) and all(map(plain_greedy, seqs))
+        """Can these sequences start a run of this shape (a captured batch size, a mode it runs)?"""
+        mode = run_mode(seqs)
+        return mode is not None and self.runs(shape, len(seqs), mode)
 
-    def runs(self, shape: Shape, rows: int) -> bool:
-        """Can a run of this many rows go on with a step of this shape (a graph of it holds them)?"""
-        return shape in self.sizes and rows <= self.sizes[shape][-1]
+    def runs(self, shape: Shape, rows: int, mode: str) -> bool:
+        """Can a run of this many rows and this mode go on with a step of this shape (a graph of it holds them)?"""
+        return shape in self.sizes and mode in self.modes[shape] and rows <= self.sizes[shape][-1]
 
     @torch.inference_mode()
     def start(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
@@ -218,7 +260,17 @@ class SpecLoop:
         self.proposer.settle(seqs, self.draft.q)
         self.draft.fill(seqs)
         self.tables_version = [len(s.block_table) for s in seqs]
-        return self._launch(seqs, shape, draws)
+        mode = run_mode(seqs)
+        if mode != GREEDY:
+            self._set_rows([s.params for s in seqs])
+        return self._launch(seqs, shape, draws, mode)
+
+    def _set_rows(self, params: list) -> None:
+        """A sampling run's per-row parameters into `row_params` (padding rows greedy)."""
+        greedy = [1.0, 0.0, 1.0, 0.0, 1.0]
+        rows = [greedy if p.greedy else [p.temperature, max(p.top_k, 0), p.top_p, p.min_p, 0.0] for p in params]
+        rows += [greedy] * (self.row_params.shape[1] - len(rows))
+        self.row_params.copy_(torch.tensor(rows).T)
 
     @torch.inference_mode()
     def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
@@ -231,9 +283,10 @@ class SpecLoop:
             tables = padded_tables([s.block_table for s in seqs])  # [rows, width]
             self.draft.tables[:len(seqs), :tables.shape[1]].copy_(to_device(tables, torch.int32, self.want.device))
             self.tables_version = lengths
-        return self._launch(seqs, shape, draws)
+        return self._launch(seqs, shape, draws, flight.mode)
 
-    def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
+    def _launch(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]], mode: str
+                ) -> LoopFlight:
         bs = next(b for b in self.sizes[shape] if b >= len(seqs))
         if draws is not None:
             assert self.synthetic or shape.topk == 1, "a tree's draws need a loop captured with synthetic acceptance"
@@ -241,13 +294,13 @@ class SpecLoop:
         elif self._drawn:
             self.want.fill_(-1)
         self._drawn = draws is not None
-        self.graphs[(bs, shape)].replay()
+        self.graphs[(bs, shape, mode)].replay()
         self.launches += 1
         self._flip = 1 - self._flip
         host = self.host[self._flip]
         host[:bs].copy_(self.result[:bs], non_blocking=True)
         self.events[self._flip].record()
-        return LoopFlight(seqs, shape, host, self.events[self._flip])
+        return LoopFlight(seqs, shape, host, self.events[self._flip], mode)
 
     def hand_back(self, seqs: list[Sequence], accepted: list[Optional[int]]) -> None:
         """The run ends after its last step was read: each sequence's draft state as the synchronous path

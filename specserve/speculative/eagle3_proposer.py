@@ -92,6 +92,7 @@ class Eagle3Proposer(Proposer):
         scores (benchmarks with synthetic acceptance)."""
         self.block_size = block_size
         self.synthetic = synthetic
+        self.seed = seed
         self.backend = backend or TorchBackend()
         self.device = device
         self.draft: Eagle3Draft = load_eagle3(config.speculative_draft_model_path, target_arch, target_embedding,

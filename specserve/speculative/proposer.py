@@ -86,7 +86,7 @@ class Proposer(ABC):
         longest block table a sequence can have); a proposer that cannot drafts eagerly."""
 
     def make_loop(self, target_graphs, kv_cache: torch.Tensor):
-        """After `capture_graphs`: whole greedy speculative steps captured with the target's graphs
+        """After `capture_graphs`: whole speculative steps captured with the target's graphs
         (target_graphs, a GraphRunner; kv_cache the target's), for the overlap pipeline (a SpecLoop,
         speculative/eagle3_loop.py), or None: speculative steps then run one at a time."""
         return None
