@@ -15,8 +15,9 @@ reuse one prompt list, so with it on, later levels and profiles would skip prefi
 Prompts are random token ids of log-uniform length between --prompt-len-min and --prompt-len-max
 (default 256-2048, median ~720: coding and agent prompts), the same for every configuration; 200
 greedy tokens each (`--temperature` as in sweep.py: sampled), EOS ignored. `--requests` may be one number
-or one per level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once per
-configuration; the profiles run on it in turn, the controller's learned acceptance reset between them and `--warmup` requests run first.
+or one per level. One engine at a time (an 8B engine holds ~16 GB of weights and its graphs), built once
+per configuration; the profiles run on it in turn, the controller's learned acceptance reset between them
+and `--warmup` requests run first.
 
 Profiles (entry i: probability that the first i+1 drafts are accepted):
 - shipped: the shipped pair's measured rates (README: chain 0.77 0.61 0.53; tree 0.88 0.70 0.54 0.43 0.33);
