@@ -139,13 +139,14 @@ def test_shape_switches_inside_a_run(pair, prompts, plain):
     assert seen[True] == seen[False]
 
 
-def test_sampling_rows_run_in_the_loop(pair, prompts, plain):
-    """Chains whose rows sample (by temperature; by top-k and top-p beside it) run in the loop's graphs: their
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_sampling_rows_run_in_the_loop(pair, prompts, plain, shape):
+    """Chains and trees whose rows sample (by temperature; by top-k and top-p beside it) run in the loop's graphs: their
     greedy rows still emit plain decoding's text, every row emits what it asked for, and KV ends free. A
     seeded row keeps its batch out of the loop (seeded draws are the step path's)."""
     from .test_speculative_sampling import looped_modes
 
-    llm, _ = speculative(pair, True, "chain")
+    llm, _ = speculative(pair, True, shape)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
     for mode, sampled in (("sampled", dict(temperature=0.8)), ("filtered", dict(temperature=0.8, top_p=0.9, top_k=20)),
                           (None, dict(temperature=0.8, seed=5))):

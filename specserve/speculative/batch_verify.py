@@ -109,7 +109,15 @@ def seeded_targets(logits: torch.Tensor, params: Sequence[SamplingParams], posit
 def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor,
                  probs: Optional[torch.Tensor] = None, uniforms: Optional[torch.Tensor] = None,
                  noise: Optional[torch.Tensor] = None, argmax: Optional[torch.Tensor] = None) -> BatchVerdict:
-    """Verify B draft trees of N nodes at once.
+    """Verify B draft trees of N nodes at once: `verify_nodes`' accepted nodes and final tokens as a verdict."""
+    return path_verdict(tokens, *verify_nodes(tokens, parents, logits, greedy, probs, uniforms, noise, argmax))
+
+
+def verify_nodes(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor,
+                 probs: Optional[torch.Tensor] = None, uniforms: Optional[torch.Tensor] = None,
+                 noise: Optional[torch.Tensor] = None, argmax: Optional[torch.Tensor] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nodes [B, N] bool that B draft trees of N nodes accept, and the token [B] after the last of them.
 
     tokens [B, N] long: node tokens, column 0 the root; parents [B, N] long, -1 at the root;
     logits [B, N, V] (the model's dtype): the target's raw logits after each node; greedy [B] bool.
@@ -160,7 +168,7 @@ def verify_batch(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tens
         hit.scatter_(1, torch.where(parents == last[:, None], tokens, v), True)  # the last node's children
         residual = probs[rows, last].masked_fill(hit[:, :v], 0)  # [B, V]
         final = torch.where(greedy, final, (residual / noise).argmax(-1))
-    return path_verdict(tokens, on_path, final)
+    return on_path, final
 
 
 def accepted_nodes(passed: torch.Tensor, earlier: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,11 @@ drains the pipeline: the last step's result is read and `hand_back` leaves every
 the synchronous path would.
 
 A run's mode says how its rows verify (`run_mode`): GREEDY rows by argmax alone (`chain_verdict`,
-`tree_accepted`); chains whose rows sample (unseeded, by temperature: SAMPLED; also top-k, top-p or min-p:
-FILTERED) by `verify_chains` against `filter_logits`' distribution, each row's parameters in a device buffer
-set when the run starts and its random numbers from the loop's generator, registered with the graphs so each
-replay draws afresh. Trees with sampling rows, seeded rows and rows that want logprobs, logits processing, a
-grammar or an adapter take the engine's step path. Synthetic acceptance: the host's draws of each step,
+`tree_accepted`); runs whose rows sample (unseeded, by temperature: SAMPLED; also top-k, top-p or min-p:
+FILTERED) by `verify_chains` and `verify_nodes` against `filter_logits`' distribution, each row's parameters
+in a device buffer set when the run starts and its random numbers from the loop's generator, registered with
+the graphs so each replay draws afresh. Seeded rows and rows that want logprobs, logits processing, a grammar
+or an adapter take the engine's step path. Synthetic acceptance: the host's draws of each step,
 along each tree's spine as `SyntheticAcceptance.verify_batch`.
 """
 from __future__ import annotations
@@ -36,7 +36,15 @@ from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
 from ..layers.sampler import filter_logits
-from .batch_verify import chain_accept_len, chain_verdict, path_end, path_verdict, tree_accepted, verify_chains
+from .batch_verify import (
+    chain_accept_len,
+    chain_verdict,
+    path_end,
+    path_verdict,
+    tree_accepted,
+    verify_chains,
+    verify_nodes,
+)
 from .eagle3_proposer import DraftState
 from .shapes import Shape
 from .synthetic import chain_drawn, spine_path
@@ -97,7 +105,7 @@ class SpecLoop:
         self.proposer, self.draft, self.target, self.kv_cache = proposer, draft, target, kv_cache
         self.shapes = [s for s in draft.shapes if s.num_nodes in target.sizes]
         self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
-        self.modes = {s: (GREEDY, SAMPLED, FILTERED) if s.topk == 1 else (GREEDY,) for s in self.shapes}
+        self.modes = {s: (GREEDY, SAMPLED, FILTERED) for s in self.shapes}
         dev, max_bs = draft.ids.device, draft.live.shape[0]
         # [5, B] per row of a sampling run: temperature (1: greedy), top_k (0: off), top_p, min_p, greedy (1 / 0)
         self.row_params = torch.zeros(5, max_bs, device=dev)
@@ -139,7 +147,7 @@ class SpecLoop:
         if bits is None:
             verdict = self._verify_chains(tokens, logits.view(bs, n, -1), mode)
         else:
-            on_path, final = self._verify(tokens, parents, bits, logits.view(bs, n, -1))
+            on_path, final = self._verify(tokens, parents, bits, logits.view(bs, n, -1), mode)
             verdict = path_verdict(tokens, on_path, final)
             self._move_kv(bs, slot_pos, verdict.path)
         self._advance(bs, n, verdict, aux, bits is None)
@@ -166,39 +174,55 @@ class SpecLoop:
         return (torch.cat([root, drafts], 1), torch.cat([first - 1, parents], 1), torch.cat([first, depths], 1),
                 self.proposer.backend.tree_bitmask(mask))
 
-    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tensor, logits: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy verification of trees tokens, parents, ancestor bits [bs, n] against logits [bs, n, vocab] (with
-        synthetic acceptance, rows with a draw accept along their spine): the accepted nodes [bs, n] and the
-        target's token after the last of them [bs]."""
+    def _verify(self, tokens: torch.Tensor, parents: torch.Tensor, bits: torch.Tensor, logits: torch.Tensor,
+                mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verification of trees tokens, parents, ancestor bits [bs, n] against logits [bs, n, vocab] (with
+        synthetic acceptance, rows with a draw accept along their spine, then the target's argmax): the
+        accepted nodes [bs, n] and the target's token after the last of them [bs]. Sampling rows by
+        `verify_nodes` (see the module's docstring)."""
         bs, n = tokens.shape
         argmax = logits.argmax(-1)  # [bs, n]
-        on_path = tree_accepted(tokens, parents, bits, argmax)  # [bs, n]
+        if mode == GREEDY:
+            on_path = tree_accepted(tokens, parents, bits, argmax)  # [bs, n]
+            final = None
+        else:
+            on_path, final = verify_nodes(tokens, parents, logits, self.row_params[4, :bs] > 0,
+                                          *self._sampling(logits, mode))
         if self.synthetic:
             want, detour = self.want[0, :bs], self.want[1, :bs]
-            on_path = torch.where((want >= 0)[:, None], spine_path(parents, want, detour)[0], on_path)
-        return on_path, path_end(on_path, argmax, self.draft.const.arange(n))
+            drawn = want >= 0  # [bs]
+            on_path = torch.where(drawn[:, None], spine_path(parents, want, detour)[0], on_path)
+            if final is not None:
+                final = torch.where(drawn, path_end(on_path, argmax, self.draft.const.arange(n)), final)
+        return on_path, path_end(on_path, argmax, self.draft.const.arange(n)) if final is None else final
 
-    def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor, mode: str):
-        """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
-        synthetic draw accept `chain_drawn`'s drafts); sampling rows by `verify_chains` (see the module's
-        docstring)."""
+    def _sampling(self, logits: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What sampling rows verify with: the target's distributions after each node [bs, n, vocab] (each row
+        filtered by its parameters in `row_params`), uniforms [bs, n] and Exp(1) noise [bs, vocab] from the
+        loop's generator."""
         bs, n, vocab = logits.shape
-        argmax = logits.argmax(-1)  # [bs, n]
-        want, detour = self.want[0, :bs], self.want[1, :bs]
-        drawn = torch.where(want >= 0, chain_drawn(want, detour, n), -1)  # [bs]
-        if mode == GREEDY:
-            return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
         temps, top_k, top_p, min_p = self.row_params[:4, :bs].repeat_interleave(n, 1)  # each [bs * n]
         filters = ()
         if mode == FILTERED:
             top_k = top_k.long()
             filters = (torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), top_p, min_p)
         probs = filter_logits(logits.view(bs * n, vocab), temps, *filters).softmax(-1).view(bs, n, vocab)
-        uniforms = torch.rand(bs, n, device=logits.device, generator=self.generator)  # [bs, n]
-        noise = torch.empty(bs, vocab, device=logits.device).exponential_(generator=self.generator)  # [bs, vocab]
+        uniforms = torch.rand(bs, n, device=logits.device, generator=self.generator)
+        noise = torch.empty(bs, vocab, device=logits.device).exponential_(generator=self.generator)
+        return probs, uniforms, noise
+
+    def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor, mode: str):
+        """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
+        synthetic draw accept `chain_drawn`'s drafts); sampling rows by `verify_chains` (see the module's
+        docstring)."""
+        bs, n = tokens.shape
+        argmax = logits.argmax(-1)  # [bs, n]
+        want, detour = self.want[0, :bs], self.want[1, :bs]
+        drawn = torch.where(want >= 0, chain_drawn(want, detour, n), -1)  # [bs]
+        if mode == GREEDY:
+            return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
         greedy = self.row_params[4, :bs] > 0  # [bs]
-        return verify_chains(tokens, logits, greedy, probs, uniforms, noise, argmax, drawn)
+        return verify_chains(tokens, logits, greedy, *self._sampling(logits, mode), argmax, drawn)
 
     def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor) -> None:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
