@@ -309,3 +309,22 @@ def test_chains_with_sampling_rows_are_verify_batch():
         for r, tree in enumerate(trees(tokens, parents)):
             assert_same(out, r, verify(tree, logits[r], params[r], torch.Generator().manual_seed(seeds[r])))
     assert accepted > 100 and rejected > 50
+
+
+def test_the_loops_filtered_distributions_are_the_step_paths():
+    """The loop's sampling graphs filter every row from its parameter row (`row_params`; a row without a
+    filter passes the filter's no-op value) and get, bit for bit, what `sampling_probs` gives the step path from
+    the requests' params: FILTERED runs (any mix of filters), SAMPLED runs (temperature alone)."""
+    from specserve.speculative.eagle3_loop import FILTERED, SAMPLED, filtered_probs, row_params
+
+    rng = random.Random(5)
+    for trial in range(40):
+        b, n = rng.randint(1, 9), rng.randint(1, 5)
+        logits = torch.randn(b, n, VOCAB) * 3  # [B, N, V]
+        logits[:, :, :2] = -float("inf")
+        params = [rng.choice(PARAMS) for _ in range(b)]
+        rows = row_params(params, b + 3)[:, :b]  # [5, B] (padding rows cut)
+        assert torch.equal(filtered_probs(logits, rows, FILTERED), sampling_probs(logits, params))
+        params = [p if p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 else PARAMS[1] for p in params]
+        rows = row_params(params, b)
+        assert torch.equal(filtered_probs(logits, rows, SAMPLED), sampling_probs(logits, params))

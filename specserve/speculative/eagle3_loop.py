@@ -96,6 +96,27 @@ def run_mode(seqs: list[Sequence]) -> Optional[str]:
     return FILTERED if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampling) else SAMPLED
 
 
+def row_params(params: list, rows: int) -> torch.Tensor:
+    """[5, rows] on the host: per row its temperature (1: greedy), top_k (0: off), top_p, min_p and whether it is
+    greedy (1 / 0), for params [<= rows] (the rows past them greedy)."""
+    greedy = [1.0, 0.0, 1.0, 0.0, 1.0]
+    values = [greedy if p.greedy else [p.temperature, max(p.top_k, 0), p.top_p, p.min_p, 0.0] for p in params]
+    return torch.tensor(values + [greedy] * (rows - len(values))).T
+
+
+def filtered_probs(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
+    """[bs, n, vocab]: the distributions sampling rows draw from after each node, for logits [bs, n, vocab] and the
+    rows' parameters [5, bs] (`row_params`); a SAMPLED run's rows only by temperature, a FILTERED run's also by
+    top-k, top-p and min-p (rows without one pass its no-op value: `filter_logits`)."""
+    bs, n, vocab = logits.shape
+    temps, top_k, top_p, min_p = params[:4].repeat_interleave(n, 1)  # each [bs * n]
+    filters = ()
+    if mode == FILTERED:
+        top_k = top_k.long()
+        filters = (torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), top_p, min_p)
+    return filter_logits(logits.view(bs * n, vocab), temps, *filters).softmax(-1).view(bs, n, vocab)
+
+
 class SpecLoop:
     def __init__(self, proposer: "Eagle3Proposer", target: GraphRunner, kv_cache: torch.Tensor):
         """proposer: its draft graphs are captured; target: the target's captured graphs (same scratch slot);
@@ -197,16 +218,10 @@ class SpecLoop:
         return on_path, path_end(on_path, argmax, self.draft.const.arange(n)) if final is None else final
 
     def _sampling(self, logits: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What sampling rows verify with: the target's distributions after each node [bs, n, vocab] (each row
-        filtered by its parameters in `row_params`), uniforms [bs, n] and Exp(1) noise [bs, vocab] from the
-        loop's generator."""
+        """What sampling rows verify with: the target's distributions after each node [bs, n, vocab]
+        (`filtered_probs`), uniforms [bs, n] and Exp(1) noise [bs, vocab] from the loop's generator."""
         bs, n, vocab = logits.shape
-        temps, top_k, top_p, min_p = self.row_params[:4, :bs].repeat_interleave(n, 1)  # each [bs * n]
-        filters = ()
-        if mode == FILTERED:
-            top_k = top_k.long()
-            filters = (torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), top_p, min_p)
-        probs = filter_logits(logits.view(bs * n, vocab), temps, *filters).softmax(-1).view(bs, n, vocab)
+        probs = filtered_probs(logits, self.row_params[:, :bs], mode)
         uniforms = torch.rand(bs, n, device=logits.device, generator=self.generator)
         noise = torch.empty(bs, vocab, device=logits.device).exponential_(generator=self.generator)
         return probs, uniforms, noise
@@ -291,10 +306,7 @@ class SpecLoop:
 
     def _set_rows(self, params: list) -> None:
         """A sampling run's per-row parameters into `row_params` (padding rows greedy)."""
-        greedy = [1.0, 0.0, 1.0, 0.0, 1.0]
-        rows = [greedy if p.greedy else [p.temperature, max(p.top_k, 0), p.top_p, p.min_p, 0.0] for p in params]
-        rows += [greedy] * (self.row_params.shape[1] - len(rows))
-        self.row_params.copy_(torch.tensor(rows).T)
+        self.row_params.copy_(row_params(params, self.row_params.shape[1]))
 
     @torch.inference_mode()
     def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
