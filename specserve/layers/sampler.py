@@ -157,14 +157,17 @@ class Sampler:
                  positions: Optional[Positions] = None) -> torch.Tensor:
         # logits [n, vocab] -> tokens [n]; positions [n]: the absolute sequence index of the token each
         # row draws (needed when a row is seeded)
-        tokens = logits.argmax(-1)  # the same as its fp32 copy's (the cast keeps order): all-greedy steps skip it
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        unseeded = [i for i in random_rows if params[i].seed is None]
+        if params and len(unseeded) == len(params):  # every row samples unseeded: no rows to pick out or put back
+            gens = list(generators) if generators is not None else [None] * len(params)
+            return sample_from_logits(filtered_logits(logits, params), gens, self.generator)
+        tokens = logits.argmax(-1)  # the same as its fp32 copy's (the cast keeps order): all-greedy steps skip it
         if not random_rows:
             return tokens
         logits = logits.float()
         device = logits.device
         seeded = [i for i in random_rows if params[i].seed is not None]
-        unseeded = [i for i in random_rows if params[i].seed is None]
         if seeded:
             if positions is None:
                 raise ValueError("seeded sampling needs the position of each row's token")
