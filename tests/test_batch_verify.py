@@ -328,3 +328,23 @@ def test_the_loops_filtered_distributions_are_the_step_paths():
         params = [p if p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 else PARAMS[1] for p in params]
         rows = row_params(params, b)
         assert torch.equal(filtered_probs(logits, rows, SAMPLED), sampling_probs(logits, params))
+
+
+def test_which_runs_the_loop_takes():
+    """`run_mode`: a run of greedy rows is GREEDY; one sampling row by temperature makes it SAMPLED, one asking
+    top-k, top-p or min-p FILTERED; a seeded row, logprobs, penalties, a grammar or an adapter keep it off the
+    loop (None)."""
+    from specserve.engine.sequence import Sequence
+    from specserve.speculative.eagle3_loop import FILTERED, GREEDY, SAMPLED, run_mode
+
+    def seq(lora=0, **params):
+        return Sequence("r", [1, 2], SamplingParams(**params), set(), 64, None, lora=lora)
+
+    greedy = seq(temperature=0)
+    assert run_mode([greedy, seq(temperature=0, top_p=0.5)]) == GREEDY  # greedy rows ignore filters
+    assert run_mode([greedy, seq(temperature=0.8)]) == SAMPLED
+    for filtered in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+        assert run_mode([seq(temperature=0.8), greedy, seq(temperature=1.0, **filtered)]) == FILTERED
+    for off in (dict(temperature=0.8, seed=3), dict(temperature=0, logprobs=1), dict(temperature=0.8,
+                presence_penalty=0.5), dict(temperature=0, logit_bias={3: 1.0}), dict(temperature=0, lora=1)):
+        assert run_mode([greedy, seq(**off)]) is None, off
