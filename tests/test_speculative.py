@@ -418,3 +418,31 @@ def test_adaptive_decodes_plain_in_steps_that_compute_prompt_tokens(pair, plain_
             decodes += not flags[-1]
     assert prefills >= 2 and decodes > 0
     assert [s.output_token_ids for s in seqs] == want
+
+
+def test_batches_off_the_loop_are_priced_by_their_own_controller(pair, plain_outputs):
+    """Where there is a speculative loop (CUDA graphs), steps of a batch that cannot run in it (here a request
+    that wants logprobs) take the step path at prices start-up did not measure: `off_loop` chooses and learns
+    them, while the loop's batches stay with the calibrated controller. Here the off-loop controller is made as
+    `capture_graphs` makes it beside a loop, on an engine whose steps all run eagerly."""
+    target, draft = pair
+    prompts, want = plain_outputs
+    llm = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft, speculative_num_steps=3,
+                   speculative_policy="adaptive")
+    spec = llm.engine.spec
+    assert spec.off_loop is None or DEVICE["name"] == "cuda"
+    spec.off_loop = spec._controller()
+    chose = {"loop": 0, "off": 0}
+    for name, controller in (("loop", spec.controller), ("off", spec.off_loop)):
+        original = controller.choose
+        controller.choose = lambda b, prefill=None, original=original, name=name: (
+            chose.__setitem__(name, chose[name] + 1), original(b, prefill))[1]
+    greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    assert chose["loop"] > 0 and chose["off"] == 0
+    logprobs = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, [logprobs] + [greedy] * (len(prompts) - 1))
+    assert [o.token_ids for o in outs] == want
+    assert chose["off"] > 0
+    assert spec.off_loop.records > 0  # its steps were timed into it
+    assert_pool_full(llm)

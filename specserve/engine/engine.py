@@ -391,7 +391,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         if self.spec is not None:
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending)
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending,
+                                            self.scheduler.running)
         outputs, released = [], False
         if self.flight is not None:
             if self._loop_continues():
@@ -406,7 +407,8 @@ class LLMEngine:
         released = released or any(o.finished for o in outputs)
         if self.shape.steps and released and self.scheduler.prefill_pending():
             # the drained step freed a slot that a prompt takes in this one
-            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending)
+            self.shape = self.spec.choose(max(1, len(self.scheduler.running)), self.scheduler.prompt_tokens_pending,
+                                            self.scheduler.running)
         start = time.perf_counter()  # the drained step's device time belongs to that step
         emitted = self.stats.num_generation_tokens
         batch = self.scheduler.schedule(self._decode_shape)
@@ -522,7 +524,7 @@ class LLMEngine:
             if seq.finished:
                 self.flight_done.append(seq)
         if outputs:
-            self.spec.record_accepted(flight.shape, [a for a in accepted if a is not None], spines)
+            self.spec.record_accepted(flight.shape, [a for a in accepted if a is not None], spines, looped=True)
         self.stats.num_preemptions = self.scheduler.num_preemptions
         return outputs, accepted
 

@@ -121,6 +121,8 @@ class ServerState:
         spec["mean_acceptance_length"] = core.stats.spec.mean_acceptance_length
         spec["synthetic_acceptance_rates"] = core.config.speculative.speculative_synthetic_acceptance_rates
         spec["controller"] = core.spec.controller.explain() if core.spec is not None else None
+        off_loop = core.spec.off_loop if core.spec is not None else None
+        spec["controller_off_loop"] = off_loop.explain() if off_loop is not None else None
         spec["proposer"] = core.spec.proposer.info() if core.spec is not None else None
         cache, blocks = core.stats.prefix_cache, core.blocks
         prefix = stats.pop("prefix_cache")

@@ -21,7 +21,7 @@ from ..engine.stats import SpecStats
 from .batch_verify import verify_drafts
 from .calibration import Calibration, calibrate
 from .controller import Controller
-from .eagle3_loop import LoopFlight
+from .eagle3_loop import LoopFlight, run_mode
 from .shapes import PLAIN, Shape, candidate_shapes
 from .tree import DraftTree
 from .verify import Verdict
@@ -38,7 +38,6 @@ class SpecDecoder:
         proposer shares its KV layout, embedding and device; verification moves KV through it)."""
         from . import make_proposer, make_synthetic
 
-        spec = config.speculative
         self.config = config
         self.runner = runner
         self.stats = stats
@@ -48,12 +47,21 @@ class SpecDecoder:
                         "text is meaningless (benchmarks only)", list(self.synthetic.rates),
                         list(self.synthetic.chain_rates))
         self.proposer = make_proposer(config, target_arch, runner, self.synthetic)
-        self.controller = Controller(spec.speculative_policy, candidate_shapes(
-            spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
-            spec.speculative_disable_batch_threshold, token_budget=config.scheduler.max_num_batched_tokens)
+        # prices every step, or where there is a loop the steps of batches that can run in it; `off_loop` prices
+        # the rest there (its steps run on the engine's step path, whose draft steps cost more than the loop's
+        # that start-up measured); `active`: the one that chose the latest step
+        self.controller = self._controller()
+        self.off_loop: Optional[Controller] = None
+        self.active = self.controller
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
         self.loop = None  # speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
+
+    def _controller(self) -> Controller:
+        spec = self.config.speculative
+        return Controller(spec.speculative_policy, candidate_shapes(
+            spec.speculative_num_steps, spec.speculative_eagle_topk, spec.speculative_num_draft_tokens or 1),
+            spec.speculative_disable_batch_threshold, token_budget=self.config.scheduler.max_num_batched_tokens)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -74,6 +82,8 @@ class SpecDecoder:
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
         if self.runner.ranks is None:  # under tensor parallelism every rank would need the loop's verdicts
             self.loop = self.proposer.make_loop(self.runner.graphs, self.runner.kv_cache)
+        if self.loop is not None:
+            self.off_loop = self._controller()
 
     def make_follower(self):
         """The proposer's follower for the target's plain-decode graphs, or None (see Proposer)."""
@@ -89,10 +99,21 @@ class SpecDecoder:
         c = self.calibration
         self.controller.seed_costs(c.times, c.summary(), c.tokens, c.token_seconds, c.prompt_extra,
                                    c.prompt_token_seconds)
+        if self.off_loop is not None:  # plain's times hold off the loop too; its drafts are explored live
+            plain = [key for key in c.times if key[1] == PLAIN]
+            tokens = {k: c.tokens[k] for k in plain if k in c.tokens}
+            self.off_loop.seed_costs({k: c.times[k] for k in plain}, None, tokens, c.token_seconds)
 
-    def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None) -> Shape:
-        """The next step's shape (prefill(): will it also compute prompt tokens? See `Controller.choose`)."""
-        return self.forced if self.forced is not None else self.controller.choose(batch_size, prefill)
+    def choose(self, batch_size: int, prefill: Optional[Callable[[], bool]] = None,
+               running: Optional[list[Sequence]] = None) -> Shape:
+        """The next step's shape (prefill(): will it also compute prompt tokens? See `Controller.choose`).
+        running: the running sequences; where there is a loop, `off_loop` chooses for a batch that cannot run
+        in it (`run_mode`)."""
+        if self.forced is not None:
+            return self.forced
+        off = self.off_loop is not None and bool(running) and run_mode(running) is None
+        self.active = self.off_loop if off else self.controller
+        return self.active.choose(batch_size, prefill)
 
     def num_slots(self, shape: Shape) -> int:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
@@ -109,7 +130,7 @@ class SpecDecoder:
         time, measured with them, is what they cost). The statistics count drafts only."""
         if self.forced is None:
             for _ in range(count):
-                self.controller.record_verify(shape, 0, (0, shape.steps))
+                self.active.record_verify(shape, 0, (0, shape.steps))
 
     def draft(self, seqs: list[Sequence], shape: Shape) -> list[DraftTree]:
         """One tree of shape.num_nodes nodes per sequence (each has one uncomputed token)."""
@@ -134,13 +155,15 @@ class SpecDecoder:
         self.record_accepted(shape, [v.num_accepted for v in verdicts], spines)
         return list(zip(verdicts, self._logprobs(seqs, verdicts, logits.flatten(0, 1))))
 
-    def record_accepted(self, shape: Shape, accepted: list[int], spines: list[Optional[tuple[int, int]]]) -> None:
+    def record_accepted(self, shape: Shape, accepted: list[int], spines: list[Optional[tuple[int, int]]],
+                        looped: bool = False) -> None:
         """Drafts accepted per verified tree of one step, and of each tree's spine (`DraftTree.spine`; a
-        chain is its own spine), for the statistics and the controller."""
+        chain is its own spine), for the statistics and the controller (`looped`: a step of the loop's)."""
         if self.forced is None:
+            controller = self.controller if looped else self.active
             for a, spine in zip(accepted, spines):
                 self.stats.record(shape.k, a)
-                self.controller.record_verify(shape, a, spine)
+                controller.record_verify(shape, a, spine)
 
     # ---- speculation in the overlap pipeline (eagle3_loop.py) ------------------------------------
     def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
@@ -218,4 +241,5 @@ class SpecDecoder:
             return
         caught_up = self.proposer.last_catch_up if drafted and not looped else 0
         typical = caught_up <= drafted * (shape.steps + 1)
-        self.controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up, tokens)
+        controller = self.controller if looped else self.active
+        controller.record_step(batch_size, shape if drafted else PLAIN, seconds, typical, caught_up, tokens)
