@@ -53,6 +53,8 @@ class SpecDecoder:
         self.controller = self._controller()
         self.off_loop: Optional[Controller] = None
         self.active = self.controller
+        self._running: tuple = ()  # the running sequences (ids) `_off_loop` last judged, and its verdict
+        self._running_off = False
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
         self.loop = None  # speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
@@ -82,7 +84,7 @@ class SpecDecoder:
         self.proposer.capture_graphs(shapes, max_bs, -(-most // block) + 1)
         if self.runner.ranks is None:  # under tensor parallelism every rank would need the loop's verdicts
             self.loop = self.proposer.make_loop(self.runner.graphs, self.runner.kv_cache)
-        if self.loop is not None:
+        if self.loop is not None and self.controller.policy == "adaptive":
             self.off_loop = self._controller()
 
     def make_follower(self):
@@ -111,9 +113,17 @@ class SpecDecoder:
         in it (`run_mode`)."""
         if self.forced is not None:
             return self.forced
-        off = self.off_loop is not None and bool(running) and run_mode(running) is None
-        self.active = self.off_loop if off else self.controller
+        self.active = self.off_loop if self.off_loop is not None and running and self._off_loop(running) else \
+            self.controller
         return self.active.choose(batch_size, prefill)
+
+    def _off_loop(self, running: list[Sequence]) -> bool:
+        """Can this batch not run in the loop? Asked again only when the running sequences change (a step's
+        host time: `run_mode` reads every row's parameters)."""
+        key = tuple(map(id, running))
+        if key != self._running:
+            self._running, self._running_off = key, run_mode(running) is None
+        return self._running_off
 
     def num_slots(self, shape: Shape) -> int:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
