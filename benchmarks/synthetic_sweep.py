@@ -41,6 +41,9 @@ import os
 import random
 import time
 
+from sweep import configurations as sweep_configurations  # benchmarks/ is on sys.path when run as a script
+from sweep import request_params, sampling_args
+
 PROFILES = {
     "shipped": {"chain": (0.77, 0.61, 0.53), "tree": (0.88, 0.70, 0.54, 0.43, 0.33)},
     "weak": {"chain": (0.4, 0.2, 0.1), "tree": (0.5, 0.25, 0.12, 0.06, 0.03)},
@@ -51,22 +54,8 @@ TARGET = os.path.join(HERE, "configs", "llama-3.1-8b")
 DRAFT = os.path.join(HERE, "configs", "llama-3.1-8b-eagle3")
 
 
-def request_params(*args):
-    from sweep import request_params  # benchmarks/ is on sys.path as a script
-
-    return request_params(*args)
-
-
-def sampling_args(ap) -> None:
-    from sweep import sampling_args
-
-    sampling_args(ap)
-
-
 def configurations(draft: str) -> dict[str, dict]:
     """sweep.py's configurations, the threshold at SGLang's 32, without the overlap-off variants."""
-    from sweep import configurations as sweep_configurations  # benchmarks/ is on sys.path as a script
-
     return {k: v for k, v in sweep_configurations(draft, threshold=32).items() if not k.endswith("-sync")}
 
 
