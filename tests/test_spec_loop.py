@@ -49,9 +49,9 @@ def speculative(pair, loop: bool, shape: str = "chain", **options):
     record = spec.record_accepted
 
 
-    def recording(shape, accepted, spines):  # per request: drafts accepted, (of its spine, spine length)
+    def recording(shape, accepted, spines, looped=False):  # per request: drafts accepted, (of its spine, its length)
         seen.append([(a, tuple(s)) for a, s in zip(accepted, spines)])
-        record(shape, accepted, spines)
+        record(shape, accepted, spines, looped=looped)
 
     spec.record_accepted = recording
     return llm, seen
@@ -126,7 +126,7 @@ def test_shape_switches_inside_a_run(pair, prompts, plain):
         spec, steps = llm.engine.spec, [0]
         cycle = [s for s in spec.shapes if s.steps] * 2 + [PLAIN]
 
-        def choose(batch_size, prefill=None, steps=steps, cycle=cycle):
+        def choose(batch_size, prefill=None, running=None, *, steps=steps, cycle=cycle):
             steps[0] += 1
             return cycle[steps[0] // 3 % len(cycle)]
 

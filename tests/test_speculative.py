@@ -343,7 +343,7 @@ def test_draft_follows_plain_decode_graphs_as_eager_observing_does(pair, plain_o
         spec.loop = None  # every chain step drafts through propose
         chain = next(s for s in spec.shapes if s.steps == 3)
 
-        def choose(batch_size, prefill=False, steps=steps, chain=chain):
+        def choose(batch_size, prefill=None, running=None, *, steps=steps, chain=chain):
             steps[0] += 1
             return chain if steps[0] % 11 in (0, 4, 5) else PLAIN  # plain runs of 1, 3 and 5 steps
 
