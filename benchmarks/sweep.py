@@ -4,8 +4,8 @@
                                [--prompts heldout|builtin] [--model PATH --draft PATH] [--device cpu|cuda]
                                [--out sweep.json] [--host-profile DIR]
 
-`--temperature T [--top-p P] [--sampled-share S]` makes the requests (or a share S of them, spread evenly)
-sample; greedy otherwise.
+`--temperature T [--top-p P] [--sampled-share S] [--seeded]` makes the requests (or a share S of them, spread
+evenly) sample (with `--seeded`, request i with seed i); greedy otherwise.
 
 Prompts: `heldout` (default), the opening 128 tokens of each Python standard-library file the shipped
 target was not trained on (its corpus.json lists them; the shipped pair's natural workload, as in
@@ -89,14 +89,23 @@ def configurations(draft: str, threshold: int = 8) -> dict[str, dict]:
     }
 
 
-def request_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, share: float = 1.0):
+def request_params(max_tokens: int, temperature: float = 0.0, top_p: float = 1.0, share: float = 1.0,
+                   seeded: bool = False):
     """Request i's sampling parameters: greedy, or at `temperature` / `top_p` for a `share` of the requests
-    spread evenly (request i samples when floor((i + 1) * share) > floor(i * share)), the rest greedy."""
+    spread evenly (request i samples when floor((i + 1) * share) > floor(i * share)), the rest greedy; seeded:
+    a sampling request i has seed i."""
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     sampled = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True)
     if temperature == 0:
         return lambda i: greedy
-    return lambda i: sampled if int((i + 1) * share) > int(i * share) else greedy
+
+    def params(i: int) -> SamplingParams:
+        if int((i + 1) * share) == int(i * share):
+            return greedy
+        return SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, ignore_eos=True,
+                              seed=i) if seeded else sampled
+
+    return params
 
 
 def sampling_args(ap: argparse.ArgumentParser) -> None:
@@ -104,6 +113,7 @@ def sampling_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--sampled-share", type=float, default=1.0,
                     help="with --temperature: the share of requests that sample, spread evenly; the rest greedy")
+    ap.add_argument("--seeded", action="store_true", help="with --temperature: sampling request i has seed i")
 
 
 def run_level(engine: LLMEngine, concurrency: int, total: int, max_tokens: int, prompts: list = PROMPTS,
@@ -149,7 +159,7 @@ def main() -> None:
                          "for methods that learn across requests (NGRAM's history), which repeats would flatter")
     sampling_args(ap)
     args = ap.parse_args()
-    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share)
+    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share, args.seeded)
     levels = [int(x) for x in args.levels.split(",")]
     configs = {k: v for k, v in configurations(args.draft).items() if k in args.configs.split(",")}
     engines = {name: LLMEngine(EngineConfig.from_options(model=args.model, device=args.device,

@@ -146,7 +146,7 @@ def sweep(args) -> dict:
     prompt_ids = prompts(max(max(requests), max(levels)), args.prompt_len_min, args.prompt_len_max, vocab)
     results = json.load(open(args.out)) if args.resume and os.path.exists(args.out) else {}
     configs = configurations(args.draft)
-    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share)
+    params_for = request_params(args.max_tokens, args.temperature, args.top_p, args.sampled_share, args.seeded)
     for name in args.configs.split(","):
         shape = "tree" if configs[name].get("speculative_eagle_topk", 1) > 1 else "chain"
         plain = name.startswith("plain")
