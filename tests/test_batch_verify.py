@@ -323,16 +323,43 @@ def test_the_loops_filtered_distributions_are_the_step_paths():
         logits = torch.randn(b, n, VOCAB) * 3  # [B, N, V]
         logits[:, :, :2] = -float("inf")
         params = [rng.choice(PARAMS) for _ in range(b)]
-        rows = row_params(params, b + 3)[:, :b]  # [5, B] (padding rows cut)
+        rows = row_params(params, b + 3)[0][:, :b]  # [6, B] (padding rows cut)
         assert torch.equal(filtered_probs(logits, rows, FILTERED), sampling_probs(logits, params))
         params = [p if p.top_k <= 0 and p.top_p == 1 and p.min_p == 0 else PARAMS[1] for p in params]
-        rows = row_params(params, b)
+        rows = row_params(params, b)[0]
         assert torch.equal(filtered_probs(logits, rows, SAMPLED), sampling_probs(logits, params))
+
+
+def test_the_loops_seeded_rows_take_the_step_paths_samples():
+    """In the loop's FILTERED runs a seeded row's token after each node is its seeded sample (`seeded_argmax`
+    from `row_params`' rows and seeds, at each node's position + 1), bit for bit what the step path's
+    `seeded_targets` draws for it; the other rows keep the argmax. Chains and trees (nodes at their depths)."""
+    from specserve.speculative.batch_verify import seeded_targets
+    from specserve.speculative.eagle3_loop import FILTERED, filtered_rows, row_params, seeded_argmax
+
+    seeded = [SamplingParams(temperature=0.7, seed=11), SamplingParams(temperature=1.3, top_k=7, seed=2**63 + 5),
+              SamplingParams(temperature=0.9, top_p=0.8, min_p=0.05, seed=-4)]
+    rng = random.Random(6)
+    for trial in range(30):
+        b, n = rng.randint(1, 7), rng.randint(1, 5)
+        logits = torch.randn(b, n, VOCAB) * 3  # [B, N, V]
+        params = [rng.choice(PARAMS + seeded) for _ in range(b)]
+        starts = torch.tensor([rng.randint(3, 500) for _ in range(b)])  # [B] the root's sequence index
+        depths = torch.stack([torch.tensor(sorted(rng.randint(1, d) if d else 0 for d in range(n)))
+                              for _ in range(b)])  # [B, N] node depths (a tree's, or a chain's 0..n-1)
+        rows, seeds = row_params(params, b + 2)
+        argmax = logits.argmax(-1)
+        got = seeded_argmax(filtered_rows(logits, rows[:, :b], FILTERED), rows[:, :b], seeds[:b],
+                            (starts[:, None] + depths).view(-1) + 1, argmax)
+        for i, p in enumerate(params):
+            want = argmax[i] if p.seed is None or p.greedy else seeded_targets(
+                logits[i:i + 1], [p], starts[i:i + 1] + 1, depths[i:i + 1])[0]
+            assert torch.equal(got[i], want), (trial, i, p)
 
 
 def test_which_runs_the_loop_takes():
     """`run_mode`: a run of greedy rows is GREEDY; one sampling row by temperature makes it SAMPLED, one asking
-    top-k, top-p or min-p FILTERED; a seeded row, logprobs, penalties, a grammar or an adapter keep it off the
+    top-k, top-p or min-p, or seeded, FILTERED; logprobs, penalties, a grammar or an adapter keep it off the
     loop (None)."""
     from specserve.engine.sequence import Sequence
     from specserve.speculative.eagle3_loop import FILTERED, GREEDY, SAMPLED, run_mode
@@ -343,8 +370,9 @@ def test_which_runs_the_loop_takes():
     greedy = seq(temperature=0)
     assert run_mode([greedy, seq(temperature=0, top_p=0.5)]) == GREEDY  # greedy rows ignore filters
     assert run_mode([greedy, seq(temperature=0.8)]) == SAMPLED
-    for filtered in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1)):
+    assert run_mode([greedy, seq(temperature=0, seed=3)]) == GREEDY  # a greedy row's seed draws nothing
+    for filtered in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(seed=3)):
         assert run_mode([seq(temperature=0.8), greedy, seq(temperature=1.0, **filtered)]) == FILTERED
-    for off in (dict(temperature=0.8, seed=3), dict(temperature=0, logprobs=1), dict(temperature=0.8,
+    for off in (dict(temperature=0, logprobs=1), dict(temperature=0.8,
                 presence_penalty=0.5), dict(temperature=0, logit_bias={3: 1.0}), dict(temperature=0, lora=1)):
         assert run_mode([greedy, seq(**off)]) is None, off

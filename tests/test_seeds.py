@@ -290,8 +290,10 @@ def oracle_drafts(llm, prompts, reference) -> None:
     continuation (the plain reference) instead: in every node that is the last child of its parent,
     except at output indices 4i + 2, where that node is made wrong. Accepted paths then run through
     second children and deep nodes and end in recovered and bonus tokens; other nodes, and the other
-    requests, keep the drafter's guesses."""
+    requests, keep the drafter's guesses. The drafts are the step path's (on CUDA the loop, which drafts on the
+    device, is off here; tests/test_spec_loop.py runs seeded rows in it)."""
     spec, truth = llm.engine.spec, {(tuple(p), s.seed): r for p, s, r in zip(prompts, SEEDED, reference)}
+    spec.loop = None
     propose = spec.draft
 
     def draft(seqs, shape):

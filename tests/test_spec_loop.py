@@ -141,22 +141,25 @@ def test_shape_switches_inside_a_run(pair, prompts, plain):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_sampling_rows_run_in_the_loop(pair, prompts, plain, shape):
-    """Chains and trees whose rows sample (by temperature; by top-k and top-p beside it) run in the loop's
-    graphs: their greedy rows still emit plain decoding's text, every row emits what it asked for, and KV ends
-    free. A seeded row keeps its batch out of the loop (seeded draws are the step path's)."""
+    """Chains and trees whose rows sample (by temperature; by top-k and top-p beside it; seeded) run in the
+    loop's graphs: their greedy rows still emit plain decoding's text, every row emits what it asked for, a
+    seeded row exactly what plain decoding samples for it, and KV ends free."""
     from .test_speculative_sampling import looped_modes
 
     llm, _ = speculative(pair, True, shape)
     greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
-    for mode, sampled in (("sampled", dict(temperature=0.8)), ("filtered", dict(temperature=0.8, top_p=0.9, top_k=20)),
-                          (None, dict(temperature=0.8, seed=5))):
+    cases = [("sampled", dict(temperature=0.8)), ("filtered", dict(temperature=0.8, top_p=0.9, top_k=20)),
+             ("filtered", dict(temperature=0.8, seed=5)), ("filtered", dict(temperature=1.0, top_k=9, seed=7))]
+    for mode, sampled in cases:
         modes = looped_modes(llm)
-        params = [greedy if i % 2 else SamplingParams(max_tokens=NEW, ignore_eos=True, **sampled)
-                  for i in range(len(prompts))]
-        outs = llm.generate(prompts, params)
-        assert [o.token_ids for o in outs][1::2] == plain[1::2]
-        assert all(len(o.token_ids) == NEW for o in outs)
+        params = [greedy if i % 2 else SamplingParams(max_tokens=NEW, ignore_eos=True, **{**sampled, "seed": (
+            sampled["seed"] + i if "seed" in sampled else None)}) for i in range(len(prompts))]
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        assert outs[1::2] == plain[1::2]
+        assert all(len(o) == NEW for o in outs)
+        if "seed" in sampled:
+            assert outs == [o.token_ids for o in make_llm(pair[0]).generate(prompts, params)]
         # the greedy rows that outlive the sampling ones run on in greedy runs
-        assert (mode in modes and modes <= {mode, "greedy"}) if mode else modes <= {"greedy"}, modes
+        assert mode in modes and modes <= {mode, "greedy"}, modes
         del llm.engine.spec.loop._launch  # looped_modes' recorder: the class's method again
         assert_pool_full(llm)

@@ -60,21 +60,33 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
     return -torch.log(-torch.log(u))
 
 
+def seed_values(params: Sequence[SamplingParams]) -> list[int]:
+    """The int64 seed of each params (any Python int, taken mod 2^64; 0 where unseeded)."""
+    return [0 if p.seed is None else _signed(p.seed) for p in params]
+
+
 def seed_tensor(params: Sequence[SamplingParams], device: torch.device) -> torch.Tensor:
-    """[n] int64 seeds of seeded params (any Python int, taken mod 2^64)."""
-    return to_device([_signed(p.seed) for p in params], torch.long, device)
+    """[n] int64 seeds of seeded params."""
+    return to_device(seed_values(params), torch.long, device)
 
 
 def seeded_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], positions: torch.Tensor) -> torch.Tensor:
     """The seeded sample of each row [n]: argmax(filtered_logits + gumbel_noise(seed, position)).
 
     logits [n, vocab] fp32, params [n] (each with a seed), positions [n] long: the absolute sequence
-    index of the token each row draws. On CUDA one fused kernel computes the same (`triton_ops.gumbel_argmax`)."""
-    filtered = filtered_logits(logits, params)  # [n, V] fp32, -inf outside the filters
-    seeds = seed_tensor(params, logits.device)  # [n]
+    index of the token each row draws."""
+    return gumbel_tokens(filtered_logits(logits, params), seed_tensor(params, logits.device), positions)
+
+
+def gumbel_tokens(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[n] argmax(filtered + gumbel_noise(seeds, positions)) of filtered [n, vocab] fp32 (-inf outside the
+    filters), seeds and positions [n] int64, nothing read on the host. On CUDA one fused kernel
+    (`triton_ops.gumbel_argmax`), which with rows [n] bool computes only those rows (the others' tokens are
+    then undefined)."""
     if triton_ops.triton is not None and filtered.is_cuda:  # not use_triton: sampling runs with grad enabled
-        return triton_ops.gumbel_argmax(filtered, seeds, positions)
-    noise = gumbel_noise(seeds, positions, logits.shape[-1])  # [n, V] float64
+        return triton_ops.gumbel_argmax(filtered, seeds, positions, rows)
+    noise = gumbel_noise(seeds, positions, filtered.shape[-1])  # [n, V] float64
     return (filtered.double() + noise).argmax(-1)
 
 

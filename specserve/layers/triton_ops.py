@@ -169,10 +169,13 @@ if triton is not None:
         return x ^ (x >> 31)
 
     @triton.jit
-    def _gumbel_argmax(X, Seeds, Pos, Val, Idx, stride_x, stride_v, vocab, BLOCK: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _gumbel_argmax(X, Seeds, Pos, Rows, Val, Idx, stride_x, stride_v, vocab, BLOCK: tl.constexpr,
+                       MASKED: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
+        if MASKED:  # rows not asked for: nothing read or written
+            if tl.load(Rows + row) == 0:
+                return
         chunk = tl.program_id(1)
         seed = tl.load(Seeds + row).to(tl.uint64, bitcast=True)
         pos = tl.load(Pos + row).to(tl.uint64, bitcast=True)
@@ -193,11 +196,13 @@ if triton is not None:
         tl.store(Idx + row * stride_v + chunk, tl.where(has_nan, first_nan, first_top).to(tl.int64))
 
 
-def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[n] int64: argmax_x(float64(filtered[i, x]) + G(seeds[i], positions[i], x)), what
     `sampler.seeded_tokens` computes with `sampler.gumbel_noise` (same noise bits, float64 logs, the lowest
     index on ties, the first NaN if any), without the [n, vocab] int64 and float64 intermediates.
-    filtered [n, vocab] fp32 (-inf outside the filters), seeds [n] int64, positions [n] int64.
+    filtered [n, vocab] fp32 (-inf outside the filters), seeds [n] int64, positions [n] int64; rows [n] bool:
+    only those rows (the others' results undefined, their programs exit at once).
     One program per (row, block of vocabulary) takes its block's best; a torch argmax picks among blocks."""
     n, vocab = filtered.shape
     filtered = filtered.contiguous()
@@ -206,9 +211,10 @@ def gumbel_argmax(filtered: torch.Tensor, seeds: torch.Tensor, positions: torch.
     vals = torch.empty(n, chunks, dtype=torch.float64, device=filtered.device)  # [n, chunks]
     idx = torch.empty(n, chunks, dtype=torch.long, device=filtered.device)  # [n, chunks]
     if n:  # fp fusion on, as nvcc's default --fmad=true compiles torch's log
+        masked = rows.to(torch.int32) if rows is not None else idx  # unread without MASKED
         launch_kernel(_gumbel_argmax, (n, chunks), filtered, seeds.long().contiguous(), positions.long().contiguous(),
-                      vals, idx, filtered.stride(0), vals.stride(0), vocab, BLOCK=block, num_warps=8,
-                      enable_fp_fusion=True)
+                      masked, vals, idx, filtered.stride(0), vals.stride(0), vocab, BLOCK=block,
+                      MASKED=rows is not None, num_warps=8, enable_fp_fusion=True)
     return idx.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 

@@ -15,12 +15,14 @@ drains the pipeline: the last step's result is read and `hand_back` leaves every
 the synchronous path would.
 
 A run's mode says how its rows verify (`run_mode`): GREEDY rows by argmax alone (`chain_verdict`,
-`tree_accepted`); runs whose rows sample (unseeded, by temperature: SAMPLED; also top-k, top-p or min-p:
+`tree_accepted`); runs whose rows sample (by temperature: SAMPLED; also top-k, top-p, min-p or a seed:
 FILTERED) by `verify_chains` and `verify_nodes` against `filter_logits`' distribution, each row's parameters
 in a device buffer set when the run starts and its random numbers from the loop's generator, registered with
-the graphs so each replay draws afresh. Seeded rows and rows that want logprobs, logits processing, a grammar
-or an adapter take the engine's step path. Synthetic acceptance: the host's draws of each step,
-along each tree's spine as `SyntheticAcceptance.verify_batch`.
+the graphs so each replay draws afresh. A seeded row verifies as the step path verifies it: greedily, against
+its Gumbel-max sample after each node at the index that token takes (`seeded_argmax`), so its text is plain
+decoding's. Rows that want logprobs, logits processing, a grammar or an adapter take the engine's step path.
+Synthetic acceptance: the host's draws of each step, along each tree's spine as
+`SyntheticAcceptance.verify_batch`.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..device import to_device
 from ..engine.cuda_graph import GraphRunner, capture_all
 from ..engine.sequence import Sequence
 from ..layers.attention import padded_tables
-from ..layers.sampler import filter_logits
+from ..layers.sampler import filter_logits, gumbel_tokens, seed_values
 from .batch_verify import (
     chain_accept_len,
     chain_verdict,
@@ -78,43 +80,64 @@ LOOP_SEED = 0x5EED100B  # the loop's generator: the model seed xor this (a strea
 
 
 def loops(seq: Sequence) -> bool:
-    """May seq verify inside the loop: no logprobs, logits processing or grammar, unseeded if it samples, on
-    the base model (a LoRA adapter's steps take the engine's step path)?"""
+    """May seq verify inside the loop: no logprobs, logits processing or grammar, on the base model (a LoRA
+    adapter's steps take the engine's step path)?"""
     p = seq.params
-    return (p.logprobs is None and not p.processes_logits and not p.guided and not seq.lora
-            and (p.greedy or p.seed is None))
+    return p.logprobs is None and not p.processes_logits and not p.guided and not seq.lora
 
 
 def run_mode(seqs: list[Sequence]) -> Optional[str]:
     """How a run of these sequences verifies: GREEDY (every row by argmax), SAMPLED (some rows sample by
-    temperature alone), FILTERED (some row also filters by top-k, top-p or min-p); None: one cannot loop."""
+    temperature alone), FILTERED (some row also filters by top-k, top-p or min-p, or is seeded); None: one
+    cannot loop."""
     if not all(map(loops, seqs)):
         return None
     sampling = [s.params for s in seqs if not s.params.greedy]
     if not sampling:
         return GREEDY
-    return FILTERED if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in sampling) else SAMPLED
+    filtered = any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 or p.seed is not None for p in sampling)
+    return FILTERED if filtered else SAMPLED
 
 
-def row_params(params: list, rows: int) -> torch.Tensor:
-    """[5, rows] on the host: per row its temperature (1: greedy), top_k (0: off), top_p, min_p and whether it is
-    greedy (1 / 0), for params [<= rows] (the rows past them greedy)."""
-    greedy = [1.0, 0.0, 1.0, 0.0, 1.0]
-    values = [greedy if p.greedy else [p.temperature, max(p.top_k, 0), p.top_p, p.min_p, 0.0] for p in params]
-    return torch.tensor(values + [greedy] * (rows - len(values))).T
+def row_params(params: list, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the host, for params [<= rows] (the rows past them greedy): [6, rows] per row its temperature (1:
+    greedy), top_k (0: off), top_p, min_p, whether it is greedy and whether it is seeded (1 / 0); and [rows]
+    int64 its seed (0: none)."""
+    greedy = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    values = [greedy if p.greedy else [p.temperature, max(p.top_k, 0), p.top_p, p.min_p, 0.0, float(p.seed is not None)]
+              for p in params]
+    seeds = [0 if p.greedy else s for p, s in zip(params, seed_values(params))]
+    return torch.tensor(values + [greedy] * (rows - len(values))).T, torch.tensor(seeds + [0] * (rows - len(seeds)))
 
 
-def filtered_probs(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
-    """[bs, n, vocab]: the distributions sampling rows draw from after each node, for logits [bs, n, vocab] and the
-    rows' parameters [5, bs] (`row_params`); a SAMPLED run's rows only by temperature, a FILTERED run's also by
-    top-k, top-p and min-p (rows without one pass its no-op value: `filter_logits`)."""
+def filtered_rows(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
+    """[bs * n, vocab] fp32: the logits sampling rows draw from after each node (-inf outside the filters), for
+    logits [bs, n, vocab] and the rows' parameters [6, bs] (`row_params`); a SAMPLED run's rows only scaled by
+    temperature, a FILTERED run's also filtered by top-k, top-p and min-p (rows without one pass its no-op value:
+    `filter_logits`)."""
     bs, n, vocab = logits.shape
     temps, top_k, top_p, min_p = params[:4].repeat_interleave(n, 1)  # each [bs * n]
     filters = ()
     if mode == FILTERED:
         top_k = top_k.long()
         filters = (torch.where((top_k > 0) & (top_k < vocab), top_k, vocab), top_p, min_p)
-    return filter_logits(logits.view(bs * n, vocab), temps, *filters).softmax(-1).view(bs, n, vocab)
+    return filter_logits(logits.view(bs * n, vocab), temps, *filters)
+
+
+def filtered_probs(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
+    """[bs, n, vocab]: the distributions of `filtered_rows`."""
+    return filtered_rows(logits, params, mode).softmax(-1).view(logits.shape)
+
+
+def seeded_argmax(filtered: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  argmax: torch.Tensor) -> torch.Tensor:
+    """[bs, n]: argmax [bs, n] with each seeded row's tokens replaced by its seeded samples (`gumbel_tokens`) from
+    filtered [bs * n, vocab] (`filtered_rows`); params [6, bs] (`row_params`), seeds [bs] int64, positions [bs * n]
+    int64: the sequence index of the token after each node."""
+    bs, n = argmax.shape
+    seeded = params[5] > 0  # [bs]
+    drawn = gumbel_tokens(filtered, seeds.repeat_interleave(n), positions, seeded.repeat_interleave(n))  # [bs * n]
+    return torch.where(seeded[:, None], drawn.view(bs, n), argmax)
 
 
 class SpecLoop:
@@ -128,8 +151,10 @@ class SpecLoop:
         self.sizes = {s: [b for b in draft.sizes if b in target.sizes[s.num_nodes]] for s in self.shapes}
         self.modes = {s: (GREEDY, SAMPLED, FILTERED) for s in self.shapes}
         dev, max_bs = draft.ids.device, draft.live.shape[0]
-        # [5, B] per row of a sampling run: temperature (1: greedy), top_k (0: off), top_p, min_p, greedy (1 / 0)
-        self.row_params = torch.zeros(5, max_bs, device=dev)
+        # [6, B] per row of a sampling run: temperature (1: greedy), top_k (0: off), top_p, min_p, greedy, seeded
+        # (1 / 0), and [B] its seed
+        self.row_params = torch.zeros(6, max_bs, device=dev)
+        self.seeds = torch.zeros(max_bs, dtype=torch.long, device=dev)
         self.generator = torch.Generator(device=dev).manual_seed(proposer.seed ^ LOOP_SEED)
         most = max((s.num_nodes for s in self.shapes), default=1)
         # trees may come with synthetic draws (their graphs then walk spines); chains take draws whenever they come
@@ -207,8 +232,8 @@ class SpecLoop:
             on_path = tree_accepted(tokens, parents, bits, argmax)  # [bs, n]
             final = None
         else:
-            on_path, final = verify_nodes(tokens, parents, logits, self.row_params[4, :bs] > 0,
-                                          *self._sampling(logits, mode))
+            greedy, probs, uniforms, noise, targets = self._sampling(logits, mode, argmax)
+            on_path, final = verify_nodes(tokens, parents, logits, greedy, probs, uniforms, noise, targets)
         if self.synthetic:
             want, detour = self.want[0, :bs], self.want[1, :bs]
             drawn = want >= 0  # [bs]
@@ -217,14 +242,19 @@ class SpecLoop:
                 final = torch.where(drawn, path_end(on_path, argmax, self.draft.const.arange(n)), final)
         return on_path, path_end(on_path, argmax, self.draft.const.arange(n)) if final is None else final
 
-    def _sampling(self, logits: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What sampling rows verify with: the target's distributions after each node [bs, n, vocab]
-        (`filtered_probs`), uniforms [bs, n] and Exp(1) noise [bs, vocab] from the loop's generator."""
+    def _sampling(self, logits: torch.Tensor, mode: str, argmax: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What a sampling run's rows verify with: which rows verify greedily [bs] (greedy and seeded rows), the
+        target's distributions after each node [bs, n, vocab] (`filtered_probs`), uniforms [bs, n] and Exp(1)
+        noise [bs, vocab] from the loop's generator, and the token a greedy row takes after each node [bs, n]
+        (argmax [bs, n], a seeded row's samples in a FILTERED run: `seeded_argmax`)."""
         bs, n, vocab = logits.shape
-        probs = filtered_probs(logits, self.row_params[:, :bs], mode)
+        params = self.row_params[:, :bs]
+        filtered = filtered_rows(logits, params, mode)  # [bs * n, vocab]
+        if mode == FILTERED:  # the token after node i sits at sequence index position(i) + 1
+            argmax = seeded_argmax(filtered, params, self.seeds[:bs], self.target.positions[:bs * n] + 1, argmax)
         uniforms = torch.rand(bs, n, device=logits.device, generator=self.generator)
         noise = torch.empty(bs, vocab, device=logits.device).exponential_(generator=self.generator)
-        return probs, uniforms, noise
+        return (params[4] > 0) | (params[5] > 0), filtered.softmax(-1).view(bs, n, vocab), uniforms, noise, argmax
 
     def _verify_chains(self, tokens: torch.Tensor, logits: torch.Tensor, mode: str):
         """`_verify` for chains tokens [bs, n] against logits [bs, n, vocab], as their verdict (rows with a
@@ -236,8 +266,7 @@ class SpecLoop:
         drawn = torch.where(want >= 0, chain_drawn(want, detour, n), -1)  # [bs]
         if mode == GREEDY:
             return chain_verdict(tokens, argmax, torch.where(want >= 0, drawn, chain_accept_len(tokens, argmax)))
-        greedy = self.row_params[4, :bs] > 0  # [bs]
-        return verify_chains(tokens, logits, greedy, *self._sampling(logits, mode), argmax, drawn)
+        return verify_chains(tokens, logits, *self._sampling(logits, mode, argmax), drawn)
 
     def _move_kv(self, bs: int, slot_pos: torch.Tensor, path: torch.Tensor) -> None:
         """Move the target KV of each accepted tree branch to the positions after the prefix (all layers, one
@@ -305,8 +334,10 @@ class SpecLoop:
         return self._launch(seqs, shape, draws, mode)
 
     def _set_rows(self, params: list) -> None:
-        """A sampling run's per-row parameters into `row_params` (padding rows greedy)."""
-        self.row_params.copy_(row_params(params, self.row_params.shape[1]))
+        """A sampling run's per-row parameters into `row_params` and `seeds` (padding rows greedy)."""
+        rows, seeds = row_params(params, self.row_params.shape[1])
+        self.row_params.copy_(rows)
+        self.seeds.copy_(seeds)
 
     @torch.inference_mode()
     def launch(self, flight: LoopFlight, shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
