@@ -152,12 +152,13 @@ def test_sampling_rows_run_in_the_loop(pair, prompts, plain, shape):
              ("filtered", dict(temperature=0.8, seed=5)), ("filtered", dict(temperature=1.0, top_k=9, seed=7))]
     for mode, sampled in cases:
         modes = looped_modes(llm)
+        seed = sampled.get("seed")  # seeded cases: request i has seed + i
         params = [greedy if i % 2 else SamplingParams(max_tokens=NEW, ignore_eos=True, **{**sampled, "seed": (
-            sampled["seed"] + i if "seed" in sampled else None)}) for i in range(len(prompts))]
+            None if seed is None else seed + i)}) for i in range(len(prompts))]
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         assert outs[1::2] == plain[1::2]
         assert all(len(o) == NEW for o in outs)
-        if "seed" in sampled:
+        if seed is not None:
             assert outs == [o.token_ids for o in make_llm(pair[0]).generate(prompts, params)]
         # the greedy rows that outlive the sampling ones run on in greedy runs
         assert mode in modes and modes <= {mode, "greedy"}, modes
