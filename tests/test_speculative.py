@@ -446,3 +446,27 @@ def test_batches_off_the_loop_are_priced_by_their_own_controller(pair, plain_out
     assert chose["off"] > 0
     assert spec.off_loop.records > 0  # its steps were timed into it
     assert_pool_full(llm)
+
+
+def test_the_loop_mode_is_judged_once_per_set_of_running_sequences(pair, monkeypatch):
+    """`SpecDecoder.loop_mode`: a step asks it up to three times (the controller's choice, whether a run fits, its
+    start) and `run_mode` reads every row, so it judges a set of sequences once; a sequence replaced by another
+    (here one that wants logprobs, which cannot loop) is judged anew, and so is the old set when it returns."""
+    from specserve.engine.sequence import Sequence
+    from specserve.speculative import decoder
+    from specserve.speculative.eagle3_loop import GREEDY, SAMPLED, run_mode
+
+    target, draft = pair
+    spec = make_llm(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=draft).engine.spec
+    judged = []
+    monkeypatch.setattr(decoder, "run_mode", lambda seqs: judged.append(len(seqs)) or run_mode(seqs))
+
+    def seq(**params):
+        return Sequence("r", [1, 2], SamplingParams(**params), set(), 64, None)
+
+    a, b, c = seq(temperature=0), seq(temperature=0.8), seq(temperature=0, logprobs=1)
+    running = [a, b]
+    assert [spec.loop_mode(running) for _ in range(3)] == [SAMPLED] * 3 and judged == [2]
+    running[1] = c  # the scheduler's list changes in place
+    assert spec.loop_mode(running) is None and spec.loop_mode([a, b]) == SAMPLED and spec.loop_mode([a]) == GREEDY
+    assert judged == [2, 2, 2, 1]

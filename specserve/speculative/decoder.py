@@ -53,8 +53,8 @@ class SpecDecoder:
         self.controller = self._controller()
         self.off_loop: Optional[Controller] = None
         self.active = self.controller
-        self._running: tuple = ()  # the running sequences (ids) `_off_loop` last judged, and its verdict
-        self._running_off = False
+        self._judged: tuple = ()  # the sequences `loop_mode` last judged (held, so no id of theirs is reused), and
+        self._judged_mode: Optional[str] = None  # their mode
         self.forced: Optional[Shape] = None  # calibration: this shape every step, nothing learned
         self.calibration: Optional[Calibration] = None
         self.loop = None  # speculative steps in the overlap pipeline (a SpecLoop, CUDA graphs)
@@ -113,17 +113,18 @@ class SpecDecoder:
         in it (`run_mode`)."""
         if self.forced is not None:
             return self.forced
-        self.active = self.off_loop if self.off_loop is not None and running and self._off_loop(running) else \
-            self.controller
+        off = self.off_loop is not None and running and self.loop_mode(running) is None
+        self.active = self.off_loop if off else self.controller
         return self.active.choose(batch_size, prefill)
 
-    def _off_loop(self, running: list[Sequence]) -> bool:
-        """Can this batch not run in the loop? Asked again only when the running sequences change (a step's
-        host time: `run_mode` reads every row's parameters)."""
-        key = tuple(map(id, running))
-        if key != self._running:
-            self._running, self._running_off = key, run_mode(running) is None
-        return self._running_off
+    def loop_mode(self, seqs: list[Sequence]) -> Optional[str]:
+        """How a run of seqs would verify in the loop (`run_mode`; None: it cannot loop). Judged again only when
+        the sequences change: `run_mode` reads every row's parameters (158 us at 256 rows on a 2-core CPU), and a
+        step asks up to three times (the controller's choice, whether a run fits, its start)."""
+        key = tuple(seqs)  # compared by identity
+        if key != self._judged:
+            self._judged, self._judged_mode = key, run_mode(seqs)
+        return self._judged_mode
 
     def num_slots(self, shape: Shape) -> int:
         """KV slots a sequence needs past its computed prefix for a step of this shape."""
@@ -178,7 +179,10 @@ class SpecDecoder:
     # ---- speculation in the overlap pipeline (eagle3_loop.py) ------------------------------------
     def loop_fits(self, seqs: list[Sequence], shape: Shape) -> bool:
         """Can seqs run speculative steps of this shape with the host one step behind?"""
-        return self.loop is not None and self.loop.fits(seqs, shape)
+        if self.loop is None:
+            return False
+        mode = self.loop_mode(seqs)
+        return mode is not None and self.loop.runs(shape, len(seqs), mode)
 
     def loop_runs(self, shape: Shape, flight: LoopFlight) -> bool:
         """Can flight's run (its rows, its mode) go on with a step of this shape?"""
@@ -186,7 +190,7 @@ class SpecDecoder:
 
     def start_loop(self, seqs: list[Sequence], shape: Shape) -> LoopFlight:
         """Launch the first step of a run (seqs scheduled with `num_slots(shape)` slots each)."""
-        return self.loop.start(seqs, shape, self._draws(seqs, shape))
+        return self.loop.start(seqs, shape, self.loop_mode(seqs), self._draws(seqs, shape))
 
     def continue_loop(self, flight: LoopFlight, shape: Shape) -> LoopFlight:
         """Launch the next step of flight's rows, of this shape, before reading flight (KV reserved by the

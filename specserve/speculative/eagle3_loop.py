@@ -312,23 +312,19 @@ class SpecLoop:
         log.info("captured %d speculative-step CUDA graphs in %.1f s", len(self.graphs), seconds)
         return seconds
 
-    def fits(self, seqs: list[Sequence], shape: Shape) -> bool:
-        """Can these sequences start a run of this shape (a captured batch size, a mode it runs)?"""
-        mode = run_mode(seqs)
-        return mode is not None and self.runs(shape, len(seqs), mode)
-
     def runs(self, shape: Shape, rows: int, mode: str) -> bool:
         """Can a run of this many rows and this mode go on with a step of this shape (a graph of it holds them)?"""
         return shape in self.sizes and mode in self.modes[shape] and rows <= self.sizes[shape][-1]
 
     @torch.inference_mode()
-    def start(self, seqs: list[Sequence], shape: Shape, draws: Optional[list[tuple[int, int]]]) -> LoopFlight:
-        """The first step of a run: draft inputs from the sequences' draft state (each has one uncomputed
-        token, its root). draws: synthetic acceptance's drafts to accept per row."""
+    def start(self, seqs: list[Sequence], shape: Shape, mode: str, draws: Optional[list[tuple[int, int]]]
+              ) -> LoopFlight:
+        """The first step of a run (`runs` holds it): draft inputs from the sequences' draft state (each has one
+        uncomputed token, its root). mode: theirs (`run_mode`); draws: synthetic acceptance's drafts to accept per
+        row."""
         self.proposer.settle(seqs, self.draft.q)
         self.draft.fill(seqs)
         self.tables_version = [len(s.block_table) for s in seqs]
-        mode = run_mode(seqs)
         if mode != GREEDY:
             self._set_rows([s.params for s in seqs])
         return self._launch(seqs, shape, draws, mode)
