@@ -315,7 +315,10 @@ def test_the_loops_filtered_distributions_are_the_step_paths():
     """The loop's sampling graphs filter every row from its parameter row (`row_params`; a row without a
     filter passes the filter's no-op value) and get, bit for bit, what `sampling_probs` gives the step path from
     the requests' params: FILTERED runs (any mix of filters), SAMPLED runs (temperature alone)."""
-    from specserve.speculative.eagle3_loop import FILTERED, SAMPLED, filtered_probs, row_params
+    from specserve.speculative.eagle3_loop import FILTERED, SAMPLED, filtered_rows, row_params
+
+    def filtered_probs(logits, rows, mode):  # [B, N, V], as the loop's _sampling computes them
+        return filtered_rows(logits, rows, mode).softmax(-1).view(logits.shape)
 
     rng = random.Random(5)
     for trial in range(40):

@@ -124,11 +124,6 @@ def filtered_rows(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torc
     return filter_logits(logits.view(bs * n, vocab), temps, *filters)
 
 
-def filtered_probs(logits: torch.Tensor, params: torch.Tensor, mode: str) -> torch.Tensor:
-    """[bs, n, vocab]: the distributions of `filtered_rows`."""
-    return filtered_rows(logits, params, mode).softmax(-1).view(logits.shape)
-
-
 def seeded_argmax(filtered: torch.Tensor, params: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   argmax: torch.Tensor) -> torch.Tensor:
     """[bs, n]: argmax [bs, n] with each seeded row's tokens replaced by its seeded samples (`gumbel_tokens`) from
@@ -244,7 +239,7 @@ class SpecLoop:
 
     def _sampling(self, logits: torch.Tensor, mode: str, argmax: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What a sampling run's rows verify with: which rows verify greedily [bs] (greedy and seeded rows), the
-        target's distributions after each node [bs, n, vocab] (`filtered_probs`), uniforms [bs, n] and Exp(1)
+        target's distributions after each node [bs, n, vocab] (`filtered_rows`' softmax), uniforms [bs, n] and Exp(1)
         noise [bs, vocab] from the loop's generator, and the token a greedy row takes after each node [bs, n]
         (argmax [bs, n], a seeded row's samples in a FILTERED run: `seeded_argmax`)."""
         bs, n, vocab = logits.shape
