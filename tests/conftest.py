@@ -10,17 +10,20 @@ import torch
 ARCHS = ("llama", "qwen2", "qwen3")
 DEVICE = {"name": "cpu"}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: a test-time switch only
+COMPILE_ONLY = {"report": None}  # --compile-for-hopper: kernel launches compile for sm_90 here, nothing runs
 
 
 def kernel_marks() -> tuple:
     """(needs_kernels, needs_cuda) skip marks for Triton kernel tests: the kernels run on CUDA (--device cuda)
-    or on CPU under Triton's interpreter; some tests need them compiled for CUDA. Call at module import
-    (after pytest_configure has read --device)."""
+    or on CPU under Triton's interpreter (or, with --compile-for-hopper, are only compiled); some tests need them
+    compiled for CUDA. Call at module import (after pytest_configure has read --device)."""
     from specserve.layers.triton_ops import triton
 
-    kernels = pytest.mark.skipif(triton is None or not (DEVICE["name"] == "cuda" or INTERPRET),
+    runs = DEVICE["name"] == "cuda" or INTERPRET or COMPILE_ONLY["report"] is not None
+    kernels = pytest.mark.skipif(triton is None or not runs,
                                  reason="Triton kernels run on CUDA (--device cuda) or under TRITON_INTERPRET=1")
-    cuda = pytest.mark.skipif(triton is None or DEVICE["name"] != "cuda" or INTERPRET,
+    compiled = DEVICE["name"] == "cuda" and not INTERPRET or COMPILE_ONLY["report"] is not None
+    cuda = pytest.mark.skipif(triton is None or not compiled,
                               reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
     return kernels, cuda
 
@@ -28,10 +31,20 @@ def kernel_marks() -> tuple:
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", choices=("cpu", "cuda"),
                      help="device the engine runs on in tests (the transformers oracle stays on CPU, fp32)")
+    parser.addoption("--compile-for-hopper", metavar="REPORT", default=None,
+                     help="on a CPU: compile every Triton kernel launch for sm_90 instead of running it, and write "
+                     "each kernel's compiles and failures to REPORT (JSON; tests/hopper_compile.py). The kernels' "
+                     "outputs are not computed, so the tests' own checks fail: test_triton_compile reads REPORT")
 
 
 def pytest_configure(config):
     DEVICE["name"] = config.getoption("--device")
+    report = config.getoption("--compile-for-hopper")
+    if report is not None and DEVICE["name"] == "cpu" and not INTERPRET:
+        from .hopper_compile import install
+
+        install(report)
+        COMPILE_ONLY["report"] = report
 
 
 def skip_without_ranks(options: dict) -> None:

@@ -190,7 +190,7 @@ def test_metadata_chooses_splits():
 def test_split_cuda_graph_replays_new_lengths(q, num_splits, dtype):
     """Split-K captured in a CUDA graph at a fixed num_splits, replayed at longer and shorter contexts than at
     capture (some splits empty) and with padding rows: what eager attention and the torch backend compute."""
-    dev, bs, heads, kv_heads, head_dim, page, width = torch.device("cuda"), 3, 8, 2, 64, 16, 64
+    dev, bs, heads, kv_heads, head_dim, page, width = torch.device(DEVICE["name"]), 3, 8, 2, 64, 16, 64
     group, scale, rng = heads // kv_heads, head_dim ** -0.5, random.Random(q)
     torch.manual_seed(q)
     scratch_slot = bs * width * page  # a block past the tables' pool
@@ -254,7 +254,7 @@ def test_fused_elementwise_kernels(dtype):
     from specserve.layers.norm import RMSNorm
     from specserve.layers.rotary import RotaryEmbedding, _rotate_half
 
-    dev, tol = torch.device("cuda"), (1e-5 if dtype == torch.float32 else 2e-2)
+    dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 2e-2)
     x, r = torch.randn(7, 4096, dtype=dtype, device=dev), torch.randn(7, 4096, dtype=dtype, device=dev)
     norm = RMSNorm(4096, 1e-5).to(dev, dtype)
     norm.weight.normal_()
@@ -319,7 +319,7 @@ def test_rope_and_cache_write(dtype):
     from specserve.layers import triton_ops
     from specserve.layers.rotary import RotaryEmbedding, _rotate_half
 
-    dev, tol = torch.device("cuda"), (1e-6 if dtype == torch.float32 else 2e-2)
+    dev, tol = torch.device(DEVICE["name"]), (1e-6 if dtype == torch.float32 else 2e-2)
     rot = RotaryEmbedding(128, 4096, 500000.0, None).to(dev)
     qkv = torch.randn(9, (32 + 8 + 8) * 128, dtype=dtype, device=dev)  # views, as the model has them
     q, k, v = qkv[:, :4096].view(9, 32, 128), qkv[:, 4096:5120].view(9, 8, 128), qkv[:, 5120:].view(9, 8, 128)
@@ -443,7 +443,7 @@ def test_embed_norm_pair_is_two_norms_side_by_side(dtype):
     from specserve.layers.norm import RMSNorm
 
     torch.manual_seed(0)
-    dev, hidden = torch.device("cuda"), 192
+    dev, hidden = torch.device(DEVICE["name"]), 192
     table = torch.randn(100, hidden, dtype=dtype, device=dev)
     h = torch.randn(7, hidden, dtype=dtype, device=dev) * 3
     ids = torch.tensor([5, 0, 99, 5, 17, 3, 64], device=dev)
@@ -513,7 +513,7 @@ def test_keep_features_moves_rows_and_block_ends():
     from specserve.layers import triton_ops
 
     torch.manual_seed(0)
-    dev, dim, page = torch.device("cuda"), 2500, 4
+    dev, dim, page = torch.device(DEVICE["name"]), 2500, 4
     features = torch.randn(6, dim, device=dev)  # 5 requests + scratch
     block_features = torch.zeros(9, dim, device=dev)  # 8 blocks + scratch
     aux = torch.randn(4, dim, device=dev)
@@ -535,7 +535,7 @@ def test_gumbel_argmax_equals_the_torch_path(monkeypatch):
     from specserve.layers import triton_ops
     from specserve.layers.sampler import filtered_logits, gumbel_noise, seed_tensor, seeded_tokens
 
-    dev, g = torch.device("cuda"), torch.Generator().manual_seed(0)  # inputs drawn on the CPU
+    dev, g = torch.device(DEVICE["name"]), torch.Generator().manual_seed(0)  # inputs drawn on the CPU
     for vocab in (4096, 128256):
         for n in (1, 7, 64, 300):
             x = torch.randn(n, vocab, generator=g).to(dev)  # [n, V]
@@ -629,7 +629,7 @@ def test_mixed_tiles_over_fixed_buffers(rows, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_tiles_in_a_cuda_graph(dtype):
     """The same, captured once in a CUDA graph and replayed for each step."""
-    dev, rng, rows, tokens = torch.device("cuda"), random.Random(1), 4, 96
+    dev, rng, rows, tokens = torch.device(DEVICE["name"]), random.Random(1), 4, 96
     tiles = triton_attention.MixedTiles(tokens, rows, 3, dev)
     meta, args, fill = mixed_case(tiles, rows, tokens, dev, rng, dtype)
     fill(*MIXED_STEPS[0])

@@ -163,7 +163,7 @@ def test_direct_fused_is_the_norm_the_experts_and_the_residual_add(n, num_expert
 
 @needs_cuda
 def test_cuda_graph_replays_new_routing():
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = torch.device(DEVICE["name"]), torch.bfloat16
     n, num_experts, top_k, hidden, inter = 24, 16, 4, 256, 96
     torch.manual_seed(0)
     w13, w2 = make_weights(num_experts, hidden, inter, dtype, device)
@@ -278,10 +278,10 @@ def test_moe_block_triton_router_matches_torch(norm_topk_prob):
     from specserve.layers.moe import SparseMoeBlock
 
     torch.manual_seed(0)
-    block = SparseMoeBlock(64, 16, 4, 24, norm_topk_prob).cuda()
+    block = SparseMoeBlock(64, 16, 4, 24, norm_topk_prob).to(DEVICE["name"])
     for param in block.parameters():
         param.data.normal_(0, 0.125)
-    x = torch.randn(7, 64, device="cuda")
+    x = torch.randn(7, 64, device=DEVICE["name"])
     with torch.no_grad():
         fused = block(x)
     with torch.enable_grad():
