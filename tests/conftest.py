@@ -21,7 +21,8 @@ def kernel_marks() -> tuple:
 
     runs = DEVICE["name"] == "cuda" or INTERPRET or COMPILE_ONLY["report"] is not None
     kernels = pytest.mark.skipif(triton is None or not runs,
-                                 reason="Triton kernels run on CUDA (--device cuda) or under TRITON_INTERPRET=1")
+                                 reason="Triton kernels run on CUDA (--device cuda), under TRITON_INTERPRET=1 or "
+                                 "--compile-for-hopper")
     compiled = DEVICE["name"] == "cuda" and not INTERPRET or COMPILE_ONLY["report"] is not None
     cuda = pytest.mark.skipif(triton is None or not compiled,
                               reason="compiled for CUDA only (--device cuda, no TRITON_INTERPRET)")
@@ -33,8 +34,9 @@ def pytest_addoption(parser):
                      help="device the engine runs on in tests (the transformers oracle stays on CPU, fp32)")
     parser.addoption("--compile-for-hopper", metavar="REPORT", default=None,
                      help="on a CPU: compile every Triton kernel launch for sm_90 instead of running it, and write "
-                     "each kernel's compiles and failures to REPORT (JSON; tests/hopper_compile.py). The kernels' "
-                     "outputs are not computed, so the tests' own checks fail: test_triton_compile reads REPORT")
+                     "each kernel's compiles and failures to REPORT (JSON; tests/hopper_compile.py). No output is "
+                     "computed: run it with python -O and --assert=plain to switch the tests' checks off; "
+                     "test_triton_compile reads REPORT")
 
 
 def pytest_configure(config):
