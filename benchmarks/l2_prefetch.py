@@ -82,7 +82,6 @@ def main() -> None:
     probe = 4096
     per_iter = graph_seconds(lambda: spin(probe), calls=4) / probe
     result = {"device": torch.cuda.get_device_name(), "spin_ns_per_iter": per_iter * 1e9, "rows": []}
-    x = None
     for name in args.shapes:
         n, k = SHAPES[name]
         copies = max(2, SPAN // (n * k * 2))

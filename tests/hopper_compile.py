@@ -38,6 +38,7 @@ class HopperDriver:
 
 def install(report: str) -> None:
     """Compile for sm_90 instead of launching, from now on in this process; write `report` at exit."""
+    import torch
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
@@ -63,8 +64,6 @@ def install(report: str) -> None:
     def write() -> None:
         with open(report, "w") as f:
             json.dump({"compiled": compiled, "failures": failures}, f, indent=1)
-
-    import torch
 
     driver.set_active(HopperDriver())
     JITFunction.__getitem__ = compile_only
