@@ -45,8 +45,20 @@ def _prefetch_rows(W, rows, rmask, D, LINES: tl.constexpr):
 
 
 @triton.jit
+def _counter(Counter, POLL: tl.constexpr):
+    """The barrier's count: an atomic read (POLL 0) or an acquire load by every thread (POLL 1)."""
+    if POLL == 0:
+        return tl.atomic_add(Counter, 0, sem="acquire")
+    else:
+        ptrs = Counter + tl.zeros([1], tl.int32)
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.u32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+        return tl.max(seen, 0)
+
+
+@triton.jit
 def _chain(W, X, Counter, layers, D, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, LINES: tl.constexpr,
-           PREFETCH: tl.constexpr):
+           PREFETCH: tl.constexpr, POLL: tl.constexpr):
     # X [layers + 1, D]: row 0 the input; row l + 1 = W[l] @ row l, W [layers, D, D]. Program p computes rows
     # [p * ROWS, (p + 1) * ROWS) of every product, then waits at a grid barrier (Counter, zeroed before the
     # launch) for every program's rows of it; every program must be resident at once
@@ -74,35 +86,78 @@ def _chain(W, X, Counter, layers, D, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, 
         tl.atomic_add(Counter, 1, sem="release")
         target = (layer + 1) * programs
         spins = 0  # a bound, so that programs that are not all resident end wrong (max_diff says) rather than hang
-        while (tl.atomic_add(Counter, 0, sem="acquire") < target) & (spins < MAX_SPINS):
+        while (_counter(Counter, POLL) < target) & (spins < MAX_SPINS):
             spins += 1
         tl.debug_barrier()
 
 
+@triton.jit
+def _chain_ahead(W, X, Counter, layers, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # as _chain, but each program's weights are loaded one chunk ahead, across the barrier too: the next product's
+    # first chunk is in flight while the program waits for the others
+    NK: tl.constexpr = D // BLOCK_K
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    rmask = rows < D
+    ks = tl.arange(0, BLOCK_K)
+    wrow = W + rows[:, None].to(tl.int64) * D + ks[None, :]  # [ROWS, BLOCK_K] pointers into W[0]
+    total = layers * NK
+    wt = tl.load(wrow, mask=rmask[:, None], other=0.0)
+    acc = tl.zeros([ROWS], tl.float32)
+    for i in range(total):
+        layer = i // NK
+        c = i % NK
+        if (c == 0) & (layer > 0):
+            spins = 0
+            while (tl.atomic_add(Counter, 0, sem="acquire") < layer * programs) & (spins < MAX_SPINS):
+                spins += 1
+            tl.debug_barrier()
+        x = tl.load(X + layer * D + c * BLOCK_K + ks, cache_modifier=".cg").to(tl.float32)
+        j = i + 1
+        more = ks[None, :] * 0 + j < total  # [1, BLOCK_K]: a next chunk exists
+        nxt = tl.load(wrow + (j // NK).to(tl.int64) * D * D + (j % NK) * BLOCK_K, mask=rmask[:, None] & more,
+                      other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * x[None, :], 1)
+        wt = nxt
+        if c == NK - 1:
+            tl.store(X + (layer + 1) * D + rows, acc.to(X.dtype.element_ty), mask=rmask)
+            acc = tl.zeros([ROWS], tl.float32)
+            tl.debug_barrier()
+            tl.atomic_add(Counter, 1, sem="release")
+
+
 def chain(ws: torch.Tensor, x: torch.Tensor, counter: torch.Tensor, programs: int, prefetch: bool,
-          out: torch.Tensor) -> torch.Tensor:
-    """ws [layers, D, D], x [D] -> the chain's last row; out [layers + 1, D] scratch, counter [1] int32."""
+          out: torch.Tensor, block_k: int = 256, warps: int = 4, poll: int = 0) -> torch.Tensor:
+    """ws [layers, D, D], x [D] -> the chain's last row; out [layers + 1, D] scratch, counter [1] int32.
+    block_k 0: a program's whole slice in one load; poll 2: _chain_ahead (block_k must divide D)."""
     layers, d, _ = ws.shape
     rows = triton.next_power_of_2(triton.cdiv(d, programs))
     out[0].copy_(x)
     counter.zero_()
-    _chain[(triton.cdiv(d, rows),)](ws, out, counter, layers, d, ROWS=rows, BLOCK_K=256,
+    if poll == 2:
+        _chain_ahead[(triton.cdiv(d, rows),)](ws, out, counter, layers, d, ROWS=rows, BLOCK_K=min(block_k or d, d),
+                                              num_warps=warps)
+        return out[layers]
+    _chain[(triton.cdiv(d, rows),)](ws, out, counter, layers, d, ROWS=rows,
+                                    BLOCK_K=block_k or triton.next_power_of_2(d),
                                     LINES=triton.next_power_of_2(triton.cdiv(d, LINE)), PREFETCH=prefetch,
-                                    num_warps=4)
+                                    POLL=poll, num_warps=warps)
     return out[layers]
 
 
 def check_cpu() -> None:
     """The kernel's products against torch's, one program (the interpreter runs programs one after another)."""
     torch.manual_seed(0)
-    d, layers = 96, 3
+    d, layers = 128, 3
     ws = torch.randn(layers, d, d) / d ** 0.5
     x = torch.randn(d)
     want = x
     for w in ws:
         want = w @ want
-    got = chain(ws, x, torch.zeros(1, dtype=torch.int32), 1, False, torch.empty(layers + 1, d))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for poll, block_k in ((0, 256), (2, 32), (2, 0)):
+        got = chain(ws, x, torch.zeros(1, dtype=torch.int32), 1, False, torch.empty(layers + 1, d), block_k, 4, poll)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     print("the chain equals torch's products")
 
 
@@ -110,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--span-mb", type=float, default=512, help="weight bytes a chain reads (several times L2)")
+    ap.add_argument("--persistent", nargs="+", default=["1,256,4,0,0", "1,256,4,1,0"],
+                    help="persistent launches, each 'programs per SM,block_k (0: whole row),warps,prefetch,poll "
+                         "(0 atomic, 1 acquire load, 2 _chain_ahead)'")
     ap.add_argument("--check-cpu", action="store_true")
     ap.add_argument("--out", default="persistent_chain.json")
     args = ap.parse_args()
@@ -146,9 +204,13 @@ def main() -> None:
         want = launches()
         row = {"dim": d, "layers": layers, "weight_mb": d * d * 2 / 1e6,
                "copy_us": d * d * 2 / ceil["copy_bytes_per_s"] * 1e6}  # its bytes at the copy's bytes moved a second
-        for name, fn in (("launches", launches), ("cublas", cublas),
-                         ("persistent", lambda: chain(ws, x, counter, sms, False, out)),
-                         ("persistent_prefetch", lambda: chain(ws, x, counter, sms, True, out))):
+        variants = [("launches", launches), ("cublas", cublas)]
+        for spec in args.persistent:
+            per_sm, block_k, warps, prefetch, poll = (int(v) for v in spec.split(","))
+            variants.append((f"persistent_{spec.replace(',', '_')}",
+                             lambda p=per_sm * sms, b=block_k, w=warps, f=bool(prefetch), q=poll:
+                             chain(ws, x, counter, p, f, out, b, w, q)))
+        for name, fn in variants:
             got = fn()
             row[f"{name}_max_diff"] = (got.float() - want.float()).abs().max().item()
             row[f"{name}_us"] = graph_seconds(fn, calls=1) / layers * 1e6
