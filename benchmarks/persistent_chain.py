@@ -4,14 +4,18 @@ Issue 22's batch-1 layer spends about as long beyond its bytes as on them. Each 
 (~3 us on an H100 for a 17-21 MB weight), and PDL lets the next launch start but not the next weight's reads. A
 persistent kernel can: its programs stay resident across the products, wait for each other at a grid barrier
 (an atomic counter), and each asks L2 for its slice of the next weight before it waits. This probe times a chain
-x_{l+1} = W_l @ x_l of `--layers` square bf16 weights at one row, as CUDA graphs:
+x_{l+1} = W_l @ x_l of square bf16 weights (`--span-mb` of them) at one row, as CUDA graphs:
 - launches: `triton_gemv.gemv` once per product (the engine's decode kernel, PDL as in the engine);
 - cublas: F.linear once per product;
-- persistent: `_chain`, one launch, one program per multiprocessor, with and without the L2 prefetch.
-Each is reported per product against the copy bandwidth's time for its bytes. The persistent chain's result is
+- persistent: `_chain`, one launch, a few programs per multiprocessor, with and without the L2 prefetch, or
+  `_chain_ahead`, whose programs load their weights one chunk ahead, across the barrier too (`--persistent`).
+Each is reported per product against the copy bandwidth's time for its bytes. Session 52's answer (H100): a grid
+barrier costs ~1.4 us with the next weights in flight against ~1.7-2.3 us a launch beyond its bytes; the
+look-ahead wins 14% at 8 MB and loses at 33 MB. The persistent chain's result is
 checked against the launches' (fp32 sums in another order: within bf16 rounding).
 
-    python benchmarks/persistent_chain.py --dims 2048 4096 --out persistent_chain.json
+    python benchmarks/persistent_chain.py --dims 512 2048 4096 --persistent 1,1024,8,0,0 1,2048,16,0,2 2,512,8,0,2 \
+        --out persistent_chain.json
 
 The kernel runs under Triton's CPU interpreter with one program (the barrier then waits for no one):
 `TRITON_INTERPRET=1 python benchmarks/persistent_chain.py --check-cpu`.
