@@ -1,9 +1,14 @@
-"""One engine's decode graphs captured again and again, each time under a programmatic-dependent-launch mode
-(`triton_launch.MODE`), in rounds: the graph replay time and the decode rate of each capture, side by side in
-one process. It separates what a launch mode does from what one capture happens to give (session 36: the same
-mode-3 code replayed the 30B-A3B batch-1 graph in 2.70 or 2.83 ms depending on the capture).
+"""One engine's decode graphs captured again and again, each time under a variant of module settings in
+`specserve.layers` (a programmatic-dependent-launch mode, `triton_launch.MODE`; a kernel's launch settings), in
+rounds: the graph replay time and the decode rate of each capture, side by side in one process. It separates
+what a setting does from what one capture happens to give (session 36: the same mode-3 code replayed the 30B-A3B
+batch-1 graph in 2.70 or 2.83 ms depending on the capture).
 
-    python benchmarks/recapture.py --config benchmarks/configs/qwen3-30b-a3b --batches 1 --modes 3 4 1 --rounds 2
+    python benchmarks/recapture.py --config benchmarks/configs/qwen3-30b-a3b --batches 1 --rounds 2 \
+        --variants "triton_launch.MODE=3" "triton_launch.MODE=4" "triton_moe.DIRECT_UP=(8,512,4)"
+
+A variant is one or more `module.NAME=value` settings separated by ";" (value a Python literal); each variant
+starts from the settings the engine started with.
 
 Dummy bf16 weights, `--context`-token prompts, the (batch, 1) graph replayed at context + 16 keys. The engine
 is built without mixed graphs: their static inputs (each step's tiles) are left from the last step, which a
@@ -12,6 +17,8 @@ second capture's warm-up cannot run with.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import sys
@@ -25,14 +32,27 @@ sys.path.insert(0, os.path.dirname(HERE))
 import gpu_decode  # noqa: E402
 
 from specserve.engine import cuda_graph  # noqa: E402
-from specserve.layers import triton_launch  # noqa: E402
+
+
+def settings(variant: str) -> list[tuple[object, str, object]]:
+    """'module.NAME=value;...' -> [(module, NAME, value)], checked against the modules' names."""
+    out = []
+    for item in variant.split(";"):
+        target, value = item.split("=", 1)
+        module_name, name = target.strip().rsplit(".", 1)
+        module = importlib.import_module(f"specserve.layers.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"specserve.layers.{module_name} has no {name}")
+        out.append((module, name, ast.literal_eval(value.strip())))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
-    ap.add_argument("--modes", type=int, nargs="+", choices=(0, 1, 2, 3, 4), default=[3, 4])
+    ap.add_argument("--variants", nargs="+", default=["triton_launch.MODE=3", "triton_launch.MODE=4"],
+                    help="each: module.NAME=value[;module.NAME=value...], modules of specserve.layers")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=32)
@@ -45,16 +65,22 @@ def main() -> None:
     llm = gpu_decode.start_engine(engine_args, args.context)
     engine, runner = llm.engine, llm.engine.runner
     gen = torch.Generator().manual_seed(0)
+    variants = [(text, settings(text)) for text in args.variants]
+    defaults = {(m, name): getattr(m, name) for _, items in variants for m, name, _ in items}
     result = {"device": torch.cuda.get_device_name(), "config": args.config, "context": args.context, "rows": []}
     for round_ in range(args.rounds):
-        for mode in args.modes:
-            triton_launch.MODE = mode
+        for text, items in variants:
+            for (module, name), value in defaults.items():
+                setattr(module, name, value)
+            for module, name, value in items:
+                setattr(module, name, value)
             runner.graphs.capture()
             for batch in args.batches:
                 gpu_decode.set_context(runner.graphs, runner, batch, 1, args.context + 16)
                 replay = gpu_decode.time_events(runner.graphs.graphs[(batch, 1)].replay, 50)
                 rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
-                row = {"round": round_, "mode": mode, "batch": batch, "replay_ms": replay * 1e3, "tokens_per_s": rate}
+                row = {"round": round_, "variant": text, "batch": batch, "replay_ms": replay * 1e3,
+                       "tokens_per_s": rate}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             with open(args.out, "w") as f:
