@@ -14,8 +14,7 @@ barrier costs ~1.4 us with the next weights in flight against ~1.7-2.3 us a laun
 look-ahead wins 14% at 8 MB and loses at 33 MB. The persistent chain's result is
 checked against the launches' (fp32 sums in another order: within bf16 rounding).
 
-    python benchmarks/persistent_chain.py --dims 512 2048 4096 --persistent 1,1024,8,0,0 1,2048,16,0,2 2,512,8,0,2 \
-        --out persistent_chain.json
+    python benchmarks/persistent_chain.py --dims 512 2048 4096 --out persistent_chain.json
 
 The kernel runs under Triton's CPU interpreter with one program (the barrier then waits for no one):
 `TRITON_INTERPRET=1 python benchmarks/persistent_chain.py --check-cpu`.
@@ -114,7 +113,7 @@ def _chain_ahead(W, X, Counter, layers, D: tl.constexpr, ROWS: tl.constexpr, BLO
         c = i % NK
         if (c == 0) & (layer > 0):
             spins = 0
-            while (tl.atomic_add(Counter, 0, sem="acquire") < layer * programs) & (spins < MAX_SPINS):
+            while (_counter(Counter, 0) < layer * programs) & (spins < MAX_SPINS):
                 spins += 1
             tl.debug_barrier()
         x = tl.load(X + layer * D + c * BLOCK_K + ks, cache_modifier=".cg").to(tl.float32)
@@ -169,7 +168,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dims", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--span-mb", type=float, default=512, help="weight bytes a chain reads (several times L2)")
-    ap.add_argument("--persistent", nargs="+", default=["1,256,4,0,0", "1,256,4,1,0"],
+    ap.add_argument("--persistent", nargs="+", default=["1,1024,8,0,0", "1,2048,16,0,2", "2,512,8,0,2"],
                     help="persistent launches, each 'programs per SM,block_k (0: whole row),warps,prefetch,poll "
                          "(0 atomic, 1 acquire load, 2 _chain_ahead)'")
     ap.add_argument("--check-cpu", action="store_true")
