@@ -128,8 +128,8 @@ def parse_launch(text: str) -> tuple:
 
 
 def sweep_launches() -> list:
-    """Strips of 4-16 weight rows by 256-512 columns, 4 warps, 3 or 5 stages."""
-    return [(n, k, 4, s) for n in (4, 8, 16) for k in (256, 512) for s in (3, 5)]
+    """Strips of 2-16 weight rows by 512 or 2048 columns, 4 warps, 2, 3 or 5 stages."""
+    return [(n, k, 4, s) for n in (2, 4, 8, 16) for k in (512, 2048) for s in (2, 3, 5)]
 
 
 def main() -> None:

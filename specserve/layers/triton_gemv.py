@@ -1,15 +1,16 @@
 """x @ W.T for one decode row (or a few), as a Triton kernel, with a decoder layer's work around it fused in.
 
-At batch 1 a decode step is the weight reads of its linears. On the H200 cuBLAS streams the Llama-3.1-8B
-q/k/v and output projections at 68% / 57% of copy bandwidth and splits the down projection's K with a
-reduce launch after it. Here each program reads a strip of BLOCK_N rows of W once, end to end along K, in
-BLOCK_K-wide tiles pipelined NUM_STAGES deep: at one row multiplying on the FMA units into a
-[rows, BLOCK_N, BLOCK_K] accumulator summed once at the end (`ONE_ROW`: every 8B and 30B-A3B weight shape
-reads as fast as F.linear or faster, q/k/v 15.9 against 17.4 us, o 11.2 / 13.7, down 30.9 / 33.4 plus its
-reduce, gate/up 58.9 / 58.5); at 2-16 rows on the tensor cores, the rows padded to 16 (`FEW_ROWS`: within
-~1 us of cuBLAS per 8B product at 4 and 16 rows, where FMA strips lose up to 11 us; `benchmarks/gemv_kernel.py
---sweep`, docs/performance.md session 29). No split over K, no second launch; a row's sums run in the same
-blocks whatever the rows beside it.
+At batch 1 a decode step is the weight reads of its linears. On the H200 cuBLAS streams the Llama-3.1-8B q/k/v and
+output projections at 68% / 57% of copy bandwidth and splits the down projection's K with a reduce launch after
+it. Here each program reads a strip of BLOCK_N rows of W once, end to end along K, in BLOCK_K-wide tiles pipelined
+NUM_STAGES deep: at one row multiplying on the FMA units into a [rows, BLOCK_N, BLOCK_K] accumulator summed once
+at the end (`ONE_ROW`: strips of 4 rows by 2048 columns, so a 30B-A3B q/k/v program requests its whole strip at
+once; on the H100 every 8B and 30B-A3B weight shape reads as fast as F.linear or faster, 30B-A3B q/k/v 9.2 against
+11.5 us, o 7.7 / 10.9, 8B q/k/v 19.7 / 22.4, gate/up 78.4 / 83.6, down 42.0 / 45.5 plus its reduce;
+docs/performance.md session 53); at 2-16 rows on the tensor cores, the rows padded to 16 (`FEW_ROWS`: within ~1 us
+of cuBLAS per 8B product at 4 and 16 rows, where FMA strips lose up to 11 us; `benchmarks/gemv_kernel.py --sweep`,
+docs/performance.md session 29). No split over K, no second launch; a row's sums run in the same blocks whatever
+the rows beside it.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Launch(NamedTuple):
     dot: bool = False  # tensor cores (rows padded to 16; block_n >= 16) instead of FMAs
 
 
-ONE_ROW = Launch(8, 512, 4, 3)
+ONE_ROW = Launch(4, 2048, 4, 2)
 FEW_ROWS = {  # per 8B product at 4 rows, the fastest tensor-core launch of the session-29 sweep
     "qkv": Launch(32, 128, 4, 5, True), "o": Launch(32, 128, 4, 5, True),
     "gate_up": Launch(32, 256, 4, 3, True), "down": Launch(32, 512, 4, 3, True),
@@ -182,8 +183,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     - rope: the product is a q/k/v projection whose q and k come out rotated and whose k and v are written
       to the cache (`RopeWrite`; the launch's block_n / 2 must divide head_dim / 2);
     - gate: weight is gate and up projections stacked [2I, K]; returns silu(x @ gate.T) * (x @ up.T) [..., I]."""
-    launch = Launch(*launch)
     k = weight.shape[1]
+    launch = Launch(*launch)
+    launch = launch._replace(block_k=min(launch.block_k, max(16, triton.next_power_of_2(k))))  # no tile wider than K
     rows = x.reshape(-1, x.shape[-1])  # [m, K]
     m, n = rows.shape[0], weight.shape[0]
     limit = MAX_DOT_ROWS if launch.dot else MAX_ROWS
