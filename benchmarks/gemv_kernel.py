@@ -88,7 +88,7 @@ def cell(name: str, rows: int, launches: list, blas: list, bandwidth: float, fus
         run("x @ Wt", lambda w: x @ transposed[id(w)])
         del transposed
     for launch in launches:
-        launch = triton_gemv.Launch(*(launch or triton_gemv.ONE_ROW))
+        launch = triton_gemv.Launch(*(launch or triton_gemv.one_row_launch(n, dev)))
         if rows > (triton_gemv.MAX_DOT_ROWS if launch.dot else triton_gemv.MAX_ROWS):
             continue
         label = "gemv " + ",".join(str(int(v)) for v in launch)
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--launch", nargs="*", type=parse_launch, default=[],
-                    help="BLOCK_N,BLOCK_K,warps,stages[,dot] launches to try besides triton_gemv.ONE_ROW")
+                    help="BLOCK_N,BLOCK_K,warps,stages[,dot] launches to try besides triton_gemv.one_row_launch")
     ap.add_argument("--fused", action="store_true",
                     help="also time each launch with what the fused decoder path runs around an 8B product")
     ap.add_argument("--sweep", action="store_true", help="try every launch of `sweep_launches` too")

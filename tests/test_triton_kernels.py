@@ -377,7 +377,7 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
     bias = torch.randn(n, dtype=dtype, device=dev)
     x = torch.randn(4, k, dtype=dtype, device=dev)
     x = torch.randn(16, k, dtype=dtype, device=dev)
-    launches = [triton_gemv.ONE_ROW, (16, 128, 4, 2), (4, 256, 2, 5)]
+    launches = [triton_gemv.ONE_ROW, triton_gemv.NARROW_ONE_ROW, (16, 128, 4, 2), (4, 256, 2, 5)]
     if dtype != torch.float32:  # tensor cores: half precision (fp32 would multiply in tf32)
         launches += [(32, 128, 4, 3, True), (16, 256, 4, 2, True)]
     for m in (1, 2, 3, 4, 16):

@@ -4,13 +4,11 @@ At batch 1 a decode step is the weight reads of its linears. On the H200 cuBLAS 
 output projections at 68% / 57% of copy bandwidth and splits the down projection's K with a reduce launch after
 it. Here each program reads a strip of BLOCK_N rows of W once, end to end along K, in BLOCK_K-wide tiles pipelined
 NUM_STAGES deep: at one row multiplying on the FMA units into a [rows, BLOCK_N, BLOCK_K] accumulator summed once
-at the end (`ONE_ROW`: strips of 4 rows by 2048 columns, so a 30B-A3B q/k/v program requests its whole strip at
-once; on the H100 every 8B and 30B-A3B weight shape reads as fast as F.linear or faster, 30B-A3B q/k/v 9.2 against
-11.5 us, o 7.7 / 10.9, 8B q/k/v 19.7 / 22.4, gate/up 78.4 / 83.6, down 42.0 / 45.5 plus its reduce;
-docs/performance.md session 53); at 2-16 rows on the tensor cores, the rows padded to 16 (`FEW_ROWS`: within ~1 us
-of cuBLAS per 8B product at 4 and 16 rows, where FMA strips lose up to 11 us; `benchmarks/gemv_kernel.py --sweep`,
-docs/performance.md session 29). No split over K, no second launch; a row's sums run in the same blocks whatever
-the rows beside it.
+at the end (`one_row_launch`: every 8B and 30B-A3B weight shape reads as fast as F.linear or faster, q/k/v 15.9
+against 17.4 us, o 11.2 / 13.7, down 30.9 / 33.4 plus its reduce, gate/up 58.9 / 58.5, 30B-A3B o 6.5 / 9.8); at
+2-16 rows on the tensor cores, the rows padded to 16 (`FEW_ROWS`: within ~1 us of cuBLAS per 8B product at 4 and
+16 rows, where FMA strips lose up to 11 us; `benchmarks/gemv_kernel.py --sweep`, docs/performance.md session 29).
+No split over K, no second launch; a row's sums run in the same blocks whatever the rows beside it.
 """
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_launch import launch_kernel, let_next_launch, wait_for_previous
+from .triton_launch import launch_kernel, let_next_launch, sm_count, wait_for_previous
 
 try:
     import triton
@@ -38,19 +36,29 @@ class Launch(NamedTuple):
     dot: bool = False  # tensor cores (rows padded to 16; block_n >= 16) instead of FMAs
 
 
-ONE_ROW = Launch(4, 2048, 4, 2)
+ONE_ROW = Launch(8, 512, 4, 3)
+NARROW_ONE_ROW = Launch(4, 2048, 4, 2)  # a one-row product with few rows of W (`one_row_launch`)
 FEW_ROWS = {  # per 8B product at 4 rows, the fastest tensor-core launch of the session-29 sweep
     "qkv": Launch(32, 128, 4, 5, True), "o": Launch(32, 128, 4, 5, True),
     "gate_up": Launch(32, 256, 4, 3, True), "down": Launch(32, 512, 4, 3, True),
 }
 
 
-ONE_ROW_LAYER = dict.fromkeys(FEW_ROWS, ONE_ROW)  # every decoder-layer product at one row
+ONE_ROW_LAYER = dict.fromkeys(FEW_ROWS)  # every decoder-layer product at one row: `one_row_launch` of its shape
 
 
-def layer_launches(rows: int) -> dict[str, Launch]:
-    """The launch of each decoder-layer product (qkv, o, gate_up, down) at this many rows."""
+def layer_launches(rows: int) -> dict[str, Launch | None]:
+    """The launch of each decoder-layer product (qkv, o, gate_up, down) at this many rows (None: `gemv`'s rule)."""
     return FEW_ROWS if rows > 1 else ONE_ROW_LAYER
+
+
+def one_row_launch(n: int, device) -> Launch:
+    """The launch of a product of n output features at one row: ONE_ROW, unless its grid would leave fewer than two
+    programs a multiprocessor; then NARROW_ONE_ROW, twice the programs, each requesting its strip in one 2048-wide
+    tile. On the H200 that takes the Qwen3-30B-A3B batch-1 graph from 2.71 to 2.65 ms (its o and router products:
+    o 7.1 -> 6.5 us), where every 8B product, each with two or more programs a multiprocessor, is slower with it
+    (4.03 against 3.93 ms; docs/performance.md session 53)."""
+    return ONE_ROW if triton.cdiv(n, ONE_ROW.block_n) >= 2 * sm_count(device) else NARROW_ONE_ROW
 
 
 class RopeWrite(NamedTuple):
@@ -166,12 +174,12 @@ NONE, ROPE, GATE = 0, 1, 2  # what a paired product does with its pairs (see `ge
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         launch: tuple = ONE_ROW, rms: tuple[torch.Tensor, float] | None = None,
+         launch: tuple | None = None, rms: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
          rope: RopeWrite | None = None, gate: bool = False):
     """x [..., K] @ weight [N, K].T (+ bias) in x's dtype, fp32 sums; x of at most MAX_ROWS rows (MAX_DOT_ROWS
     with a tensor-core launch), both with contiguous K. launch: a `Launch` or its fields as a tuple
-    (benchmarks/gemv_kernel.py compares them).
+    (benchmarks/gemv_kernel.py compares them); None: `one_row_launch` of the weight's shape.
 
     Fused after the product, for a decoder layer in few launches (rounded as the unfused kernels round, but
     for the norm), nothing before it (work on x inside the K loop slowed tensor-core tiles 2-10x):
@@ -184,7 +192,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
       to the cache (`RopeWrite`; the launch's block_n / 2 must divide head_dim / 2);
     - gate: weight is gate and up projections stacked [2I, K]; returns silu(x @ gate.T) * (x @ up.T) [..., I]."""
     k = weight.shape[1]
-    launch = Launch(*launch)
+    launch = Launch(*launch) if launch is not None else one_row_launch(weight.shape[0], weight.device)
     launch = launch._replace(block_k=min(launch.block_k, max(16, triton.next_power_of_2(k))))  # no tile wider than K
     rows = x.reshape(-1, x.shape[-1])  # [m, K]
     m, n = rows.shape[0], weight.shape[0]
@@ -221,8 +229,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y, parts_out, None if scaled is None else scaled.reshape(y.shape)
 
 
-def pairs_fit(block: int, launch: tuple) -> bool:
+def pairs_fit(block: int, launch: tuple | None) -> bool:
     """Whether a paired epilogue (rope over heads of `block` features, or gate over gate/up of `block`) fits
-    this launch: its block_n / 2 pairs divide block / 2."""
-    pairs = Launch(*launch).block_n // 2
+    this launch (None: either of `one_row_launch`'s): its block_n / 2 pairs divide block / 2."""
+    pairs = Launch(*(launch or ONE_ROW)).block_n // 2  # ONE_ROW's pairs a multiple of NARROW_ONE_ROW's
     return block % 2 == 0 and pairs > 0 and (block // 2) % pairs == 0
