@@ -54,8 +54,8 @@ def layer_launches(rows: int) -> dict[str, Launch | None]:
 
 def one_row_launch(n: int, device) -> Launch:
     """The launch of a product of n output features at one row: ONE_ROW, unless its grid would leave fewer than two
-    programs a multiprocessor; then NARROW_ONE_ROW, twice the programs, each requesting its strip in one 2048-wide
-    tile. On the H200 that takes the Qwen3-30B-A3B batch-1 graph from 2.71 to 2.65 ms (its o and router products:
+    programs a multiprocessor; then NARROW_ONE_ROW, twice the programs, each requesting its strip in 2048-wide
+    tiles. On the H200 that takes the Qwen3-30B-A3B batch-1 graph from 2.71 to 2.65 ms (its o and router products:
     o 7.1 -> 6.5 us), where every 8B product, each with two or more programs a multiprocessor, is slower with it
     (4.03 against 3.93 ms; docs/performance.md session 53)."""
     return ONE_ROW if triton.cdiv(n, ONE_ROW.block_n) >= 2 * sm_count(device) else NARROW_ONE_ROW
