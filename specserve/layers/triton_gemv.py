@@ -191,11 +191,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     - rope: the product is a q/k/v projection whose q and k come out rotated and whose k and v are written
       to the cache (`RopeWrite`; the launch's block_n / 2 must divide head_dim / 2);
     - gate: weight is gate and up projections stacked [2I, K]; returns silu(x @ gate.T) * (x @ up.T) [..., I]."""
-    k = weight.shape[1]
-    launch = Launch(*launch) if launch is not None else one_row_launch(weight.shape[0], weight.device)
+    n, k = weight.shape
+    launch = Launch(*launch) if launch is not None else one_row_launch(n, weight.device)
     launch = launch._replace(block_k=min(launch.block_k, max(16, triton.next_power_of_2(k))))  # no tile wider than K
     rows = x.reshape(-1, x.shape[-1])  # [m, K]
-    m, n = rows.shape[0], weight.shape[0]
+    m = rows.shape[0]
     limit = MAX_DOT_ROWS if launch.dot else MAX_ROWS
     if m > limit or rows.stride(1) != 1 or weight.stride(1) != 1 or rows.shape[1] != k:
         raise ValueError(f"gemv takes up to {limit} rows with contiguous K, got {tuple(rows.shape)} for a "
