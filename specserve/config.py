@@ -35,6 +35,8 @@ class ModelConfig:
     load_format: str = _opt("safetensors", "where weights come from", ("safetensors", "dummy"))
     max_model_len: Optional[int] = _opt(None, "longest prompt + output in tokens (default: from config.json)")
     seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
+    max_logprobs: int = _opt(20, "most top log-probabilities a request may ask for a token (logprobs, top_logprobs, "
+                                 "prompt_logprobs, top_logprobs_num), as vLLM's; -1: the whole vocabulary")
     generation_config: str = _opt("auto", "where sampling defaults and end tokens come from: 'auto' = the model "
                                           "folder's generation_config.json (as vLLM), 'vllm' = none, or a folder "
                                           "holding one")
@@ -379,6 +381,9 @@ class EngineConfig:
         self.lora.validate()
         if self.model.max_model_len is not None and self.model.max_model_len < 2:
             raise ConfigError(f"option max_model_len must be >= 2, got {self.model.max_model_len}")
+        if self.model.max_logprobs < -1:
+            raise ConfigError(f"option max_logprobs must be >= 0, or -1 for the whole vocabulary, got "
+                              f"{self.model.max_logprobs}")
 
     def resolve(self, machine: Machine) -> "EngineConfig":
         """Fill in what depends on the machine (as `machine` describes it): model path, device, dtype, attention

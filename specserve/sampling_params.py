@@ -74,12 +74,12 @@ class SamplingParams:
     temperature below 1e-5 (0 included) is greedy, as in vLLM: smaller ones would scale the logits past
     float32's range. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs; top_p always keeps
     the most likely token, however small it is.
-    `logprobs` asks for the log-probability of each sampled token plus that many top alternatives
-    (0: the sampled token only); `prompt_logprobs` the same for every prompt token after the first (of the
-    model's raw distribution; the request then computes its whole prompt, cached blocks or not). Stop
-    strings are removed from the returned text (kept with `include_stop_str_in_output`), and special tokens
-    (`<|im_end|>`, ...) have no text (they do with `skip_special_tokens` false). `seed` (any integer, taken
-    mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the seed, that
+    `logprobs` asks for the log-probability of each sampled token plus that many top alternatives (0: the sampled
+    token only; the engine takes up to its max_logprobs, 20 unless set); `prompt_logprobs` the same for every prompt
+    token after the first (of the model's raw distribution; the request then computes its whole prompt, cached
+    blocks or not). Stop strings are removed from the returned text (kept with `include_stop_str_in_output`), and
+    special tokens (`<|im_end|>`, ...) have no text (they do with `skip_special_tokens` false). `seed` (any integer,
+    taken mod 2^64) makes sampling reproducible: the token at each sequence index is a function of the seed, that
     index and the logits only (`layers.sampler.seeded_tokens`), with or without speculation.
 
     Logits processors, applied before temperature and the filters, in plain sampling and at every draft
@@ -160,8 +160,8 @@ class SamplingParams:
             bad(f"seed must be an integer, got {self.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 20):
-                bad(f"{name} must be an integer in [0, 20], got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                bad(f"{name} must be an integer >= 0, got {value!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -206,6 +206,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    def check_logprobs(self, limit: int) -> None:
+        """Raise ValueError if logprobs or prompt_logprobs asks for more than `limit` top alternatives a token (the
+        engine's max_logprobs; the engine calls this where it checks prompts)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise SamplingParamError(f"{name} asks for {value} top log-probabilities a token, more than "
+                                         f"max_logprobs, {limit} (--max-logprobs)")
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError if logit_bias, stop_token_ids, allowed_token_ids or the tokenized bad_words name a token

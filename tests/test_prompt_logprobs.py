@@ -103,9 +103,33 @@ def test_speculative_engine_gives_the_same(prompts):
 
 
 def test_bad_values_are_refused():
-    for value in (-1, 21, 1.5, True):
-        with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
+    for value in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prompt_logprobs must be an integer >= 0"):
             SamplingParams(prompt_logprobs=value)
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask(hf_models, prompts):
+    """vLLM's max_logprobs: 20 by default, refused above it with an error naming it; raised, the engine gives that
+    many alternatives (transformers' top 40 at each prompt token); -1: up to the vocabulary."""
+    default = make_llm(hf_models["qwen3"])
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} asks for 21 .* max_logprobs, 20"):
+            default.generate(prompts[:1], SamplingParams(max_tokens=2, **{field: 21}))
+    assert default.generate(prompts[:1], SamplingParams(max_tokens=2, logprobs=20))[0].logprobs[0].top
+    llm = make_llm(hf_models["qwen3"], max_logprobs=40)
+    [out] = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=40, logprobs=40))
+    want = hf_prompt_logprobs(hf_models["qwen3"], prompts[:1], 40)[0]
+    for got, (logprob, alternatives, _) in zip(out.prompt_logprobs[1:], want[1:]):
+        assert got.logprob == pytest.approx(logprob, abs=1e-4) and len(got.top) == 40
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in alternatives], abs=1e-4)
+        clear = {t for t, v in alternatives if v > alternatives[-1][1] + 1e-4}  # ids whose place no tie can move
+        assert clear <= {t for t, _ in got.top}
+    assert all(len(lp.top) == 40 for lp in out.logprobs)
+    with pytest.raises(ValueError, match="max_logprobs, 40"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, logprobs=41))
+    vocab = make_llm(hf_models["qwen3"], max_logprobs=-1)
+    assert vocab.engine.max_logprobs == vocab.engine.arch.vocab_size
+    assert len(vocab.generate(prompts[:1], SamplingParams(max_tokens=1, logprobs=100))[0].logprobs[0].top) == 100
 
 
 class EagerGraphs:

@@ -124,7 +124,7 @@ def model(tmp_path_factory) -> str:
 def server(tmp_path_factory, model):
     yield from serving(tmp_path_factory.mktemp("server") / "server.log", "--model", model,
                        "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--allowed-origins",
-                       "http://ui.example, http://other.example", api_key=API_KEY)
+                       "http://ui.example, http://other.example", "--max-logprobs", "25", api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -446,7 +446,8 @@ def test_sglang_generate_logprobs(server, llm):
                                                                            for lp in ref.logprobs]
     assert len(meta(return_logprob=True, logprob_start_len=3)["input_token_logprobs"]) == len(ref.prompt_token_ids) - 3
     assert "output_token_logprobs" not in meta(return_logprob=False, top_logprobs_num=2)
-    for fields, param in [({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    assert len(meta(return_logprob=True, top_logprobs_num=25)["output_top_logprobs"][0]) == 25  # --max-logprobs
+    for fields, param in [({"return_logprob": True, "top_logprobs_num": 26}, "top_logprobs_num"),
                           ({"return_logprob": True, "logprob_start_len": 10_000}, "logprob_start_len"),
                           ({"return_logprob": [True, False]}, "return_logprob"),
                           ({"return_logprob": True, "token_ids_logprob": [1, 2]}, "token_ids_logprob")]:
@@ -575,6 +576,13 @@ def test_logprobs(client, llm):
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
 
+    wide = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=25, extra_body={"ignore_eos": True})  # --max-logprobs 25
+    wide = wide.choices[0].logprobs.content
+    assert all(len(t.top_logprobs) == 25 for t in wide)
+    assert [a.logprob for t in wide for a in t.top_logprobs[:2]] == pytest.approx(
+        [a.logprob for t in content for a in t.top_logprobs], abs=1e-5)
+
 
 def test_tools_render_through_the_template(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -621,6 +629,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 99999},
      400, "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 26},
+     400, "top_logprobs"),  # the server's --max-logprobs is 25
+    ("/v1/completions", {"prompt": "x", "logprobs": 26}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 26}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", b"{" + b" " * (5 * 2**20) + b"}", 413, None),
     ("/v1/nothing", {}, 404, None),
 ]

@@ -247,6 +247,7 @@ class LLMEngine:
         params.validate()
         params.update_from_tokenizer(self.tokenizer)
         params.check_token_ids(self.arch.vocab_size)
+        params.check_logprobs(self.max_logprobs)
         ids = self.tokenize(prompt)
         self.check_prompt(ids)
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -339,6 +340,12 @@ class LLMEngine:
             served = ", ".join(self.loras) or "none"
             raise RequestError(f"unknown LoRA adapter {options.lora!r} (this engine serves: {served})")
         return self.loras[options.lora].slot
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most top log-probabilities a request may ask for a token (config max_logprobs; -1: the vocabulary)."""
+        limit = self.config.model.max_logprobs
+        return self.arch.vocab_size if limit == -1 else limit
 
     def check_prompt(self, ids: list[int]) -> None:
         """Raise RequestError if a tokenized prompt cannot be served (empty, too long, unknown token ids)."""

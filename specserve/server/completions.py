@@ -4,7 +4,6 @@ when asked). With `echo` the prompt comes back before the completion, with its t
 prompt alone (the engine samples one token, which is dropped)."""
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -133,10 +132,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         except RequestError as e:
             raise bad_request(str(e), param) from None
         max_tokens = req.max_tokens or (1 if req.max_tokens == 0 else None)  # 0: one token, dropped
-        params = sampling_params(engine, req, prompt_ids, param, max_tokens, DEFAULT_MAX_TOKENS, req.logprobs)
         wanted = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
-        if wanted:
-            params = dataclasses.replace(params, prompt_logprobs=max(wanted))
+        params = sampling_params(engine, req, prompt_ids, param, max_tokens, DEFAULT_MAX_TOKENS, req.logprobs,
+                                 prompt_logprobs=max(wanted) if wanted else None)
         prompts.append((prompt_ids, params))
         shown = prompt if req.truncate_prompt_tokens is None else prompt_ids  # echo what the model saw
         echoes.append(_echo(engine.tokenizer, shown, prompt_ids, req.max_tokens == 0, req.logprobs or 0)

@@ -1,10 +1,10 @@
 """POST /generate: SGLang's native API, for clients and scripts written against an SGLang server.
 
-`text` (a string or a list of them) or `input_ids` (a list of ids or a list of lists), `sampling_params` (one
-dict for all, or one per prompt: max_new_tokens (default 128), temperature, top_p, top_k, min_p, the
-penalties, min_new_tokens, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, n, regex,
-json_schema, ebnf, logit_bias, seed), `stream`, `lora_path` (a served adapter's name), and SGLang's logprob fields
-(each one value, or one per prompt): `return_logprob`, `top_logprobs_num` (0-20), `logprob_start_len` (-1, the
+`text` (a string or a list of them) or `input_ids` (a list of ids or a list of lists), `sampling_params` (one dict
+for all, or one per prompt: max_new_tokens (default 128), temperature, top_p, top_k, min_p, the penalties,
+min_new_tokens, stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim, n, regex, json_schema, ebnf,
+logit_bias, seed), `stream`, `lora_path` (a served adapter's name), and SGLang's logprob fields (each one value, or
+one per prompt): `return_logprob`, `top_logprobs_num` (0 to `--max-logprobs`, 20), `logprob_start_len` (-1, the
 default: output tokens only), `return_text_in_logprobs`. The answer, per prompt (and choice): `text`, `output_ids`
 and `meta_info` (`id`, `finish_reason` {"type": "stop" | "length" | "abort", and "length" for length},
 `prompt_tokens`, `completion_tokens`, `cached_tokens`: those found in the prefix cache; with return_logprob
@@ -88,8 +88,9 @@ class GenerateRequest(BaseModel):
     def num_choices(self) -> int:  # per job, as `respond` reads it: each of a prompt's n choices is a job here
         return 1
 
-    def logprob_ask(self, i: int, count: int, prompt_len: int, names: TokenText) -> Optional["LogprobAsk"]:
-        """What prompt i (of count) asks of logprobs, checked; None: nothing."""
+    def logprob_ask(self, i: int, count: int, prompt_len: int, names: TokenText, limit: int
+                    ) -> Optional["LogprobAsk"]:
+        """What prompt i (of count) asks of logprobs, checked (limit: the engine's max_logprobs); None: nothing."""
         if self.token_ids_logprob is not None:
             raise bad_request("token_ids_logprob is not supported: ask for top_logprobs_num", "token_ids_logprob")
 
@@ -104,8 +105,9 @@ class GenerateRequest(BaseModel):
         if not value("return_logprob", False):
             return None
         top, start = value("top_logprobs_num", 0), value("logprob_start_len", -1)
-        if not 0 <= top <= 20:
-            raise bad_request(f"top_logprobs_num must be in [0, 20], got {top}", "top_logprobs_num")
+        if not 0 <= top <= limit:
+            raise bad_request(f"top_logprobs_num must be in [0, {limit}] (the server's max_logprobs), got {top}",
+                              "top_logprobs_num")
         if not -1 <= start < prompt_len:
             raise bad_request(f"logprob_start_len must be -1 or a position in the prompt (its {prompt_len} tokens), "
                               f"got {start}", "logprob_start_len")
@@ -242,7 +244,7 @@ async def generate(request: Request, state: ServerState) -> Response:
         where = "sampling_params" if not req.batched else f"sampling_params.{i}"
         params, n = _sglang_params(opts, core.generation.sampling, core.config.model.max_model_len - len(ids), where)
         await check_grammar(core.tokenizer, params, where)
-        ask = req.logprob_ask(i, len(prompts), len(ids), state.token_text)
+        ask = req.logprob_ask(i, len(prompts), len(ids), state.token_text, core.max_logprobs)
         params = ask.params(params) if ask is not None else params
         for choice in choice_params(params, n):  # seeded: choice j uses seed + j, as on /v1/*
             jobs.append((ids, choice))

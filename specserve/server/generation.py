@@ -77,9 +77,11 @@ def as_api_error(exc: BaseException) -> APIError:
 
 def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[int], prompt_param: str,
                     max_tokens: Optional[int], default_max_tokens: Optional[int],
-                    logprobs: Optional[int], structured: Optional[dict] = None) -> SamplingParams:
+                    logprobs: Optional[int], structured: Optional[dict] = None,
+                    prompt_logprobs: Optional[int] = None) -> SamplingParams:
     """Check the prompt, the stop token ids and logit_bias's token ids against the vocabulary, the output
-    length against max_model_len; build the request's SamplingParams.
+    length against max_model_len, logprobs and prompt_logprobs against the engine's max_logprobs; build the
+    request's SamplingParams.
 
     Without max_tokens a request may use `default_max_tokens` or, when None, the model's max_new_tokens
     (generation_config.json) or all the room left. What else the request leaves out takes the model's
@@ -103,6 +105,8 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
     if (req.min_tokens or 0) > max_tokens:
         raise bad_request(f"min_tokens {req.min_tokens} is more than max_tokens {max_tokens}", "min_tokens")
     options = req.sampling_options(max_tokens, logprobs, defaults)
+    if prompt_logprobs is not None:
+        options["prompt_logprobs"] = prompt_logprobs
     structured = req.structured_options() if structured is None else structured
     try:
         if structured is not None:
@@ -110,8 +114,10 @@ def sampling_params(engine: AsyncEngine, req: SamplingRequest, prompt_ids: list[
         params = SamplingParams(**options)
         params.update_from_tokenizer(core.tokenizer)
         params.check_token_ids(core.arch.vocab_size)
+        params.check_logprobs(core.max_logprobs)
     except ValueError as e:  # SamplingParamError names the field
-        raise bad_request(str(e), getattr(e, "param", None)) from None
+        param = getattr(e, "param", None)
+        raise bad_request(str(e), req.logprobs_field if param == "logprobs" else param) from None
     return params
 
 

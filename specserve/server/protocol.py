@@ -18,11 +18,10 @@ must not be empty: `"stop": ""` and `"stop": [""]` are both refused.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-MAX_LOGPROBS = 20
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
@@ -40,7 +39,8 @@ Int = Annotated[int, BeforeValidator(_whole)]
 PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 TokenId = Annotated[int, Field(ge=0, description="below the model's vocabulary size (config.json's "
                                                    "vocab_size): a larger id gets 400"), BeforeValidator(_whole)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole)]
+NumLogprobs = Annotated[int, Field(ge=0, description="at most the server's --max-logprobs (20 unless set): more "
+                                                     "gets 400"), BeforeValidator(_whole)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), BeforeValidator(_whole)]
 TopK = Annotated[int, Field(ge=-1), BeforeValidator(_whole)]
 StopString = Annotated[str, Field(min_length=1)]
@@ -297,6 +297,7 @@ class SamplingRequest(SamplingFields):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT]})
+    logprobs_field: ClassVar[str] = "logprobs"  # the field that sets SamplingParams.logprobs
 
     model: Optional[str] = None
     stream: bool = False
@@ -472,6 +473,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateInput):
     model_config = ConfigDict(json_schema_extra={"allOf": [STREAM_OPTIONS_NEED_STREAM, ONE_CONSTRAINT,
                                                            FORCED_CALL_NEEDS_TOOLS]})
 
+    logprobs_field: ClassVar[str] = "top_logprobs"
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: bool = False
