@@ -12,8 +12,8 @@ _EXPORTS = {
     "StructuredOutputsParams": ".sampling_params",
     "EngineConfig": ".config",
     "ConfigError": ".config",
-    "RequestError": ".engine.engine",
-    "RequestOutput": ".engine.engine",
+    "RequestError": ".engine.outputs",
+    "RequestOutput": ".engine.outputs",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from .config import EngineConfig
-from .engine.engine import LLMEngine, Prompt, RequestOutput
+from .engine.engine import LLMEngine
+from .engine.outputs import Prompt, RequestOutput
 from .engine.sequence import RequestOptions
 from .sampling_params import SamplingParams
 

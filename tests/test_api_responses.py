@@ -376,7 +376,7 @@ def test_a_stored_response_continues_as_the_chat_messages_of_its_items():
     """A worked example without a server: an output of reasoning and a tool call is stored as the assistant message
     that holds them, and a request continuing it with the call's output renders as chat would."""
     from specserve import SamplingParams
-    from specserve.engine.engine import RequestOutput
+    from specserve.engine.outputs import RequestOutput
     from specserve.server.errors import APIError
     from specserve.server.formatting import Envelope, TokenText
     from specserve.server.protocol_responses import ResponsesRequest

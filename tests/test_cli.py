@@ -184,7 +184,7 @@ def test_queue_and_prefill_split_at_the_step_before_the_first_token():
     """A arrives at an idle engine; B arrives while A decodes and gets its first token one step later: B
     was scheduled when the step before it ended (1.5), not at its arrival (1.2) nor its first token (2.0)."""
     pytest.importorskip("prometheus_client")
-    from specserve.engine.engine import RequestOutput
+    from specserve.engine.outputs import RequestOutput
     from specserve.server.metrics import ServerMetrics
     from specserve.server.streams import RequestTimes
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from specserve import SamplingParams
 from specserve.config import ConfigError
 from specserve.engine.cuda_graph import ADAPTERS
-from specserve.engine.engine import RequestError
+from specserve.engine.outputs import RequestError
 from specserve.models.lora import LoRAError, random_adapter
 
 from .conftest import (

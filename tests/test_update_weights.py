@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from specserve import SamplingParams
 from specserve.assets import make_tiny_checkpoint
-from specserve.engine.engine import EngineBusy, RequestError
+from specserve.engine.outputs import EngineBusy, RequestError
 from specserve.models import WeightError
 
 from .conftest import assert_pool_full, make_hf_checkpoint, make_llm, mixed_prompts, skip_without_ranks

@@ -16,7 +16,8 @@ from typing import AsyncIterator, Optional
 
 from ..config import EngineConfig
 from ..sampling_params import SamplingParams
-from .engine import LLMEngine, Prompt, RequestOutput
+from .engine import LLMEngine
+from .outputs import Prompt, RequestOutput
 from .sequence import RequestOptions
 
 log = logging.getLogger(__name__)

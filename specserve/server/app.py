@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from ..engine.engine import RequestError
+from ..engine.outputs import RequestError
 from ..sampling_params import SamplingParams
 from .chat import create_chat_completion
 from .completions import create_completion

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from jinja2 import TemplateError
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.engine import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..engine.sequence import TokenLogprob
 from ..sampling_params import SamplingParams
 from .errors import bad_request

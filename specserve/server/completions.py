@@ -11,7 +11,7 @@ from typing import Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..engine.engine import RequestError, RequestOutput
+from ..engine.outputs import RequestError, RequestOutput
 from ..engine.sequence import TokenLogprob
 from .errors import bad_request
 from .formatting import Envelope, Formatter, json_logprob, new_logprobs

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..engine.engine import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..engine.sequence import TokenLogprob
 
 

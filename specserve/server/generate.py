@@ -25,7 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from ..engine.engine import RequestError, RequestOutput
+from ..engine.outputs import RequestError, RequestOutput
 from ..engine.sequence import RequestOptions, TokenLogprob
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import bad_request

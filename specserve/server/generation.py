@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
-from ..engine.engine import RequestError, RequestOutput
+from ..engine.outputs import RequestError, RequestOutput
 from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, bad_request, from_validation_error, server_error, unavailable

@@ -10,7 +10,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
-from ..engine.engine import RequestError
+from ..engine.outputs import RequestError
 from ..models.lora import LoRAError
 from .errors import APIError, bad_request
 from .generation import read_body

@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
-from ..engine.engine import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .chat import ChatFormatter, render_prompt, submission
 from .errors import APIError, bad_request, from_validation_error

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional, Protocol
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
-from ..engine.engine import RequestOutput
+from ..engine.outputs import RequestOutput
 from ..engine.sequence import RequestOptions
 from ..sampling_params import SamplingParams
 from .errors import APIError

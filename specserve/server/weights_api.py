@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from ..engine.engine import EngineBusy, RequestError
+from ..engine.outputs import EngineBusy, RequestError
 from ..models import WeightError
 from .errors import bad_request
 from .generation import read_body
