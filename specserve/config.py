@@ -109,6 +109,10 @@ class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
     num_kv_blocks: Optional[int] = _opt(None, "KV blocks in the pool (default: from kv_cache_gb)")
     kv_cache_gb: Optional[float] = _opt(None, "KV pool size in GiB (default: 1 on CPU, 85%% of free memory on CUDA)")
+    gpu_memory_utilization: Optional[float] = _opt(None, "CUDA: the share of the GPU's memory this engine may fill, "
+                                                         "weights, activations and CUDA graphs included (vLLM's); the "
+                                                         "KV pool takes 85%% of what the share leaves after the "
+                                                         "weights, as the default does with all free memory")
     enable_prefix_caching: bool = _opt(True, "share full KV blocks of identical prefixes between requests")
     kv_host_ratio: Optional[float] = _opt(None, "host KV pool size as a multiple of the device pool (default: 1 on "
                                                 "CUDA, capped at a quarter of free host memory; 0 on CPU = off)")
@@ -369,6 +373,13 @@ class EngineConfig:
             raise ConfigError(f"option cuda_graph_max_tokens must be >= 0, got {self.execution.cuda_graph_max_tokens}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
+        utilization = self.cache.gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ConfigError(f"option gpu_memory_utilization must be in (0, 1], got {utilization}")
+        sizes = [name for name in ("num_kv_blocks", "kv_cache_gb", "gpu_memory_utilization")
+                 if getattr(self.cache, name) is not None]
+        if len(sizes) > 1:
+            raise ConfigError(f"options {' and '.join(sizes)} both size the KV pool: give one")
         for name in ("kv_host_ratio", "kv_host_size_gb"):
             value = getattr(self.cache, name)
             if value is not None and value < 0:
@@ -415,6 +426,9 @@ class EngineConfig:
             backend = "triton" if device == "cuda" and machine.triton_available() else "torch"
         if backend == "triton" and device != "cuda":
             raise ConfigError("attention_backend 'triton' needs device 'cuda'")
+        if self.cache.gpu_memory_utilization is not None and device != "cuda":
+            raise ConfigError(f"gpu_memory_utilization sizes the KV pool from a GPU's memory; the device is {device}: "
+                              f"give kv_cache_gb (GiB) or num_kv_blocks")
         execution = replace(execution, attention_backend=backend,
                             cuda_graph_max_bs=execution.cuda_graph_max_bs or self.scheduler.max_num_seqs)
         generation = m.generation_config

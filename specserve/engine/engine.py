@@ -106,8 +106,8 @@ class LLMEngine:
         try:
             if self.runner.num_blocks * config.cache.block_size < config.model.max_model_len:
                 raise ValueError(f"the KV cache holds {self.runner.num_blocks * config.cache.block_size} tokens, "
-                                 f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks "
-                                 f"or kv_cache_gb, or lower max_model_len")
+                                 f"fewer than max_model_len {config.model.max_model_len}: raise num_kv_blocks, "
+                                 f"kv_cache_gb or gpu_memory_utilization, or lower max_model_len")
             tokens = self.runner.num_blocks * config.cache.block_size
             log.info("KV cache: %d blocks of %d = %d tokens, %.1f GiB: %.1f sequences of max_model_len %d",
                      self.runner.num_blocks, config.cache.block_size, tokens, self.runner.kv_cache.nbytes / 2**30,

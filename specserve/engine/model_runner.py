@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..device import to_device
 from ..layers import lora
 from ..layers.attention import attention_backend
@@ -29,7 +29,23 @@ from .sequence import ScheduledSeq, Sequence, TokenLogprob
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_SHARE = 0.85  # of the GPU memory left after the weights; the rest for activations and CUDA graphs
 PROMPT_ROWS = 256  # prompt rows whose logits are made at once (`ModelRunner.prompt_logprobs`)
+
+
+def kv_budget(free: int, total: int, utilization: Optional[float]) -> float:
+    """Bytes for the KV pool of a GPU with `free` of its `total` bytes free once the weights are loaded: KV_SHARE of
+    the free memory, or with utilization (vLLM's gpu_memory_utilization) KV_SHARE of what the engine's share of
+    the whole GPU leaves after all that is on it already (its weights, other processes). ConfigError where that
+    share is already used up."""
+    if utilization is None:
+        return KV_SHARE * free
+    room = utilization * total - (total - free)
+    if room <= 0:
+        raise ConfigError(f"gpu_memory_utilization {utilization} gives this engine {utilization * total / 2**30:.1f} "
+                          f"GiB of the GPU's {total / 2**30:.1f}, and {(total - free) / 2**30:.1f} GiB are in use "
+                          f"with its weights loaded: raise it")
+    return KV_SHARE * room
 
 
 @dataclass
@@ -120,8 +136,7 @@ class ModelRunner:
         if c.cache.kv_cache_gb is not None:
             budget = c.cache.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = 0.85 * free
+            budget = kv_budget(*torch.cuda.mem_get_info(self.device), c.cache.gpu_memory_utilization)
         else:
             budget = 2**30
         useful = c.scheduler.max_num_seqs * -(-c.model.max_model_len // self.block_size) + 1
