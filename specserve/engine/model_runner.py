@@ -136,6 +136,7 @@ class ModelRunner:
         if c.cache.kv_cache_gb is not None:
             budget = c.cache.kv_cache_gb * 2**30
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # what the allocator holds unused is free memory here
             budget = kv_budget(*torch.cuda.mem_get_info(self.device), c.cache.gpu_memory_utilization)
         else:
             budget = 2**30
