@@ -107,7 +107,8 @@ class LoRAConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV block")
-    num_kv_blocks: Optional[int] = _opt(None, "KV blocks in the pool (default: from kv_cache_gb)")
+    num_kv_blocks: Optional[int] = _opt(None, "KV blocks in the pool (default: from kv_cache_gb or "
+                                              "gpu_memory_utilization)")
     kv_cache_gb: Optional[float] = _opt(None, "KV pool size in GiB (default: 1 on CPU, 85%% of free memory on CUDA)")
     gpu_memory_utilization: Optional[float] = _opt(None, "CUDA: the share of the GPU's memory this engine may fill, "
                                                          "weights, activations and CUDA graphs included (vLLM's); the "
