@@ -1,0 +1,139 @@
+"""cuBLASLt products with a chosen algorithm, for shapes where cuBLAS's own pick leaves the GPU part idle.
+
+At 256 rows the 8B shape's gate/up product is 224 output tiles of 256 x 128 on 132 multiprocessors: its second
+wave is 70% full. cuBLASLt's heuristic lists other algorithms (tiles, split-K, stream-K schedules) for a shape;
+`candidates` returns them and `LtMatmul.run` calls one. The binding goes through ctypes into the libcublasLt
+that torch itself has loaded, so nothing is built or downloaded.
+
+Y [M, N] = X [M, K] @ W [N, K].T in row-major is, in cuBLASLt's column-major terms, D [N, M] = op(W) [N, K] @ X^T
+with W transposed: the same TN product torch issues.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+_COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
+_R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
+_DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+_OP_N, _OP_T = 0, 1
+_PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+_CONFIG = {"id": 0, "tile": 1, "split_k": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
+           "inner_shape": 7, "cluster": 8}  # cublasLtMatmulAlgoConfigAttributes_t
+_DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
+
+
+class Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", Algo), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+class CublasLtError(RuntimeError):
+    pass
+
+
+_lib = None
+_handle = None
+
+
+def library() -> ctypes.CDLL:
+    """The libcublasLt torch has loaded (found in this process's mapped libraries after one cuBLAS call)."""
+    global _lib, _handle
+    if _lib is None:
+        a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+        a @ a  # noqa: B018 - loads cuBLAS and cuBLASLt
+        torch.cuda.synchronize()
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcublasLt" in line}
+        if not paths:
+            raise CublasLtError("libcublasLt is not loaded in this process")
+        _lib = ctypes.CDLL(sorted(paths)[0])
+        handle = ctypes.c_void_p()
+        _check(_lib.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+        _handle = handle
+    return _lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{what} failed with cublasStatus {status}")
+
+
+def _layout(dtype: torch.dtype, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+    lay = ctypes.c_void_p()
+    _check(library().cublasLtMatrixLayoutCreate(ctypes.byref(lay), _DTYPES[dtype], ctypes.c_uint64(rows),
+                                                ctypes.c_uint64(cols), ctypes.c_int64(ld)), "MatrixLayoutCreate")
+    return lay
+
+
+def algo_config(algo: Algo) -> dict:
+    """The algorithm's configuration ids (tile, stages, split-K, cluster shape, ...), for reports."""
+    out = {}
+    for name, attr in _CONFIG.items():
+        value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
+        status = library().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
+                                                                ctypes.c_size_t(8), ctypes.byref(written))
+        if status == 0:
+            out[name] = int.from_bytes(bytes(value)[:written.value], "little") if written.value else 0
+    return out
+
+
+@dataclass
+class LtMatmul:
+    """One product shape, Y [m, n] = X [m, k] @ W [n, k].T, its descriptors built once."""
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype = torch.bfloat16
+    x_ld: int = 0  # X's row stride (k when contiguous)
+    workspace_bytes: int = 32 << 20
+    _desc: ctypes.c_void_p = field(default=None, repr=False)
+    _layouts: tuple = field(default=(), repr=False)
+
+    def __post_init__(self):
+        lib = library()
+        self.x_ld = self.x_ld or self.k
+        desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _R_32F), "MatmulDescCreate")
+        for attr, op in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.c_size_t(4)),
+                   "MatmulDescSetAttribute")
+        self._desc = desc
+        self._layouts = (_layout(self.dtype, self.k, self.n, self.k),  # W as column-major [k, n], transposed
+                         _layout(self.dtype, self.k, self.m, self.x_ld),  # X^T [k, m]
+                         _layout(self.dtype, self.n, self.m, self.n))  # Y^T [n, m]
+
+    def candidates(self, count: int = 32) -> list[tuple[Algo, int]]:
+        """Up to `count` algorithms cuBLASLt's heuristic offers for this shape, best guess first, with the
+        workspace each needs."""
+        lib = library()
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        ws = ctypes.c_uint64(self.workspace_bytes)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws),
+                                                        ctypes.c_size_t(8)), "PreferenceSetAttribute")
+        results = (_Heuristic * count)()
+        found = ctypes.c_int(0)
+        a, b, c = self._layouts
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle, self._desc, a, b, c, c, pref, count, results,
+                                                  ctypes.byref(found)), "AlgoGetHeuristic")
+        lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [(results[i].algo, int(results[i].workspace)) for i in range(found.value) if results[i].state == 0]
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, algo: Algo, workspace: torch.Tensor) -> None:
+        # x [m, k], w [n, k], y [m, n]
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        a, b, c = self._layouts
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(library().cublasLtMatmul(_handle, self._desc, ctypes.byref(alpha), ctypes.c_void_p(w.data_ptr()), a,
+                                        ctypes.c_void_p(x.data_ptr()), b, ctypes.byref(beta),
+                                        ctypes.c_void_p(y.data_ptr()), c, ctypes.c_void_p(y.data_ptr()), c,
+                                        ctypes.byref(algo), ctypes.c_void_p(workspace.data_ptr()),
+                                        ctypes.c_size_t(workspace.numel()), stream), "cublasLtMatmul")
