@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..device import to_device
-from ..layers import lora, triton_ops
+from ..layers import cublaslt, lora, triton_ops
 from ..layers.attention import AttentionBackend, new_token_slots, padded_tables
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ def capture_all(keys: list[tuple], run, generators: tuple = ()) -> tuple[dict, d
     graphs, outputs, pool = {}, {}, None
     with capturing():
         for key in keys:
-            run(*key)
+            with cublaslt.tuning():
+                run(*key)
             graph = torch.cuda.CUDAGraph()
             for generator in generators:
                 graph.register_generator_state(generator)

@@ -10,10 +10,12 @@ with W transposed: the same TN product torch issues.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 _COMPUTE_32F = 68  # cublasComputeType_t CUBLAS_COMPUTE_32F
 _R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
@@ -137,3 +139,89 @@ class LtMatmul:
                                         ctypes.c_void_p(y.data_ptr()), c, ctypes.c_void_p(y.data_ptr()), c,
                                         ctypes.byref(algo), ctypes.c_void_p(workspace.data_ptr()),
                                         ctypes.c_size_t(workspace.numel()), stream), "cublasLtMatmul")
+
+
+TUNE_ROWS: int | None = None  # products of at least this many rows take the fastest algorithm timed; None = off
+TRIES = 8  # heuristic candidates timed for a shape
+MARGIN = 0.97  # a candidate replaces torch's product only when it takes less than this share of its time
+_plans: dict[tuple, tuple[LtMatmul, Algo] | None] = {}
+_workspaces: dict[tuple, torch.Tensor] = {}
+_tuning = False
+
+
+@contextlib.contextmanager
+def tuning():
+    """Inside: a product shape met for the first time is tuned (its candidates timed against torch's). Graph
+    captures warm up inside this, so every captured shape has its plan before the capture records it."""
+    global _tuning
+    before, _tuning = _tuning, True
+    try:
+        yield
+    finally:
+        _tuning = before
+
+
+def _key(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+    if (TUNE_ROWS is None or x.dim() != 2 or x.shape[0] < TUNE_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
+            or weight.dtype != x.dtype or x.stride(1) != 1 or not weight.is_contiguous()):
+        return None
+    return (x.shape[0], weight.shape[0], x.shape[1], x.stride(0), x.dtype, x.device.index)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [m, k] @ weight [n, k].T by the algorithm timed fastest for this shape, or None (the caller runs torch's
+    product) where torch's own pick was fastest, the shape is below TUNE_ROWS, or it has no plan and cannot be
+    tuned now (outside `tuning`, or inside a graph capture)."""
+    key = _key(x, weight)
+    if key is None:
+        return None
+    if key not in _plans:
+        if not _tuning or torch.cuda.is_current_stream_capturing():
+            return None
+        _plans[key] = _tune(x, weight)
+    plan = _plans[key]
+    if plan is None:
+        return None
+    mm, algo = plan
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)  # [m, n]
+    mm.run(x, weight, y, algo, _workspace(x.device, mm.workspace_bytes))
+    return y
+
+
+def _workspace(device: torch.device, size: int) -> torch.Tensor:
+    """One workspace per stream: a graph records its pointer, and graphs of two streams may run at once."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    if key not in _workspaces:
+        _workspaces[key] = torch.empty(size, dtype=torch.uint8, device=device)
+    return _workspaces[key]
+
+
+def _seconds(fn, calls: int = 10) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None:
+    """The fastest candidate for x @ weight.T that agrees with torch's product, if it beats it by MARGIN."""
+    mm = LtMatmul(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.stride(0))
+    want = F.linear(x, weight)  # [m, n]
+    tolerance = 2 * want.float().abs().max().item() * torch.finfo(x.dtype).eps * 8
+    y, ws = torch.empty_like(want), _workspace(x.device, mm.workspace_bytes)
+    best, best_s = None, _seconds(lambda: F.linear(x, weight)) * MARGIN
+    for algo, _ in mm.candidates(TRIES):
+        try:
+            mm.run(x, weight, y, algo, ws)
+            if (y.float() - want.float()).abs().max().item() > tolerance:
+                continue
+            seconds = _seconds(lambda: mm.run(x, weight, y, algo, ws))
+        except CublasLtError:
+            continue
+        if seconds < best_s:
+            best, best_s = algo, seconds
+    return None if best is None else (mm, best)

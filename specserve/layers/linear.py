@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import triton_gemv
+from . import cublaslt, triton_gemv
 from .lora import LoRAStack, add_lora
 from .parallel import current
 
@@ -41,7 +41,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight.T [in, out] (+ bias): F.linear, except for int8 weights (`int8_linear`, scale
     [out] their per-row scales), one half-precision row on CUDA
-    (`triton_gemv`, faster than cuBLAS there) and fp32 products of up to FEW_ROWS rows on a CPU, computed as
+    (`triton_gemv`, faster than cuBLAS there), many half-precision rows on CUDA whose shape has a tuned
+    cuBLASLt algorithm (`cublaslt.product`), and fp32 products of up to FEW_ROWS rows on a CPU, computed as
     (weight @ rows.T).T from row-major rows (one row doubled to two) into a row-major result.
     MKL's kernels for a small right-hand side stream the weight 2-3x faster than its matrix-vector product
     and than F.linear's at a few rows, but only from row-major rows: the same product from a transposed
@@ -56,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         if _gemv_fits(x, weight):
             return triton_gemv.gemv(x, weight, bias)
-        return F.linear(x, weight, bias)
+        y = cublaslt.product(x, weight) if x.dim() == 2 else None
+        return F.linear(x, weight, bias) if y is None else _shaped(y, bias, x)
     if x.dtype != torch.float32:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])  # [m, in]
