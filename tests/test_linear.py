@@ -213,3 +213,33 @@ def test_rotary_turns_q_and_k_together_and_regathers_changed_positions():
     assert torch.equal(rot(positions, q, k)[0], alone(positions, q))
     other = torch.tensor([3, 4, 5])
     assert torch.equal(rot(other, q, k)[1], alone(other, k))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt products run on CUDA")
+@pytest.mark.parametrize("rows,n,k", [(256, 28672, 4096), (256, 4096, 14336), (130, 3000, 512)])
+def test_tuned_products_are_the_linear_and_tune_only_when_asked(monkeypatch, rows, n, k):
+    """Many bf16 rows with TUNE_ROWS set: outside `tuning` a new shape runs torch's product (no plan made);
+    inside it the shape gets a plan (a cuBLASLt algorithm or torch's), and from then on the product, tuned or
+    not, is F.linear's to bf16 rounding, bias and leading rows kept, also when replayed from a CUDA graph."""
+    from specserve.layers import cublaslt
+
+    monkeypatch.setattr(cublaslt, "TUNE_ROWS", 128)
+    monkeypatch.setattr(cublaslt, "_plans", {})
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=gen).cuda().bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).cuda().bfloat16()
+    b = torch.randn(n, generator=gen).cuda().bfloat16()
+    want = F.linear(x.float(), w.float(), b.float())
+    assert cublaslt.product(x, w) is None and not cublaslt._plans
+    with cublaslt.tuning():
+        got = linear(x, w, b)
+    assert len(cublaslt._plans) == 1
+    assert got.shape == (rows, n) and (got.float() - want).norm() / want.norm() < 1e-2
+    assert cublaslt.product(x[:100], w) is None  # below TUNE_ROWS
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = linear(x, w, b)
+    x.copy_(torch.randn(rows, k, generator=gen).cuda().bfloat16())
+    graph.replay()
+    want = F.linear(x.float(), w.float(), b.float())
+    assert (replayed.float() - want).norm() / want.norm() < 1e-2
