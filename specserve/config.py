@@ -147,6 +147,9 @@ class ExecutionConfig:
                                            "(0: such steps run eagerly)")
     disable_overlap_schedule: bool = _opt(False, "finish each step before preparing the next (no overlap of "
                                                  "host work with plain decode steps)")
+    gemm_tuning_rows: int = _opt(0, "CUDA: half-precision products of at least this many rows take the fastest "
+                                    "of cuBLASLt's candidate algorithms for their shape, timed against cuBLAS's own "
+                                    "pick when CUDA graphs are captured (0 = cuBLAS's pick always)")
 
 
 @dataclass(frozen=True)
@@ -370,8 +373,9 @@ class EngineConfig:
                 raise ConfigError(f"option {name} must be >= 1, got {value}")
         if self.execution.cuda_graph_max_bs is not None and self.execution.cuda_graph_max_bs < 1:
             raise ConfigError(f"option cuda_graph_max_bs must be >= 1, got {self.execution.cuda_graph_max_bs}")
-        if self.execution.cuda_graph_max_tokens < 0:
-            raise ConfigError(f"option cuda_graph_max_tokens must be >= 0, got {self.execution.cuda_graph_max_tokens}")
+        for name in ("cuda_graph_max_tokens", "gemm_tuning_rows"):
+            if getattr(self.execution, name) < 0:
+                raise ConfigError(f"option {name} must be >= 0, got {getattr(self.execution, name)}")
         if self.cache.num_kv_blocks is not None and self.cache.num_kv_blocks < 1:
             raise ConfigError(f"option num_kv_blocks must be >= 1, got {self.cache.num_kv_blocks}")
         utilization = self.cache.gpu_memory_utilization

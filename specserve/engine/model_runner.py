@@ -13,7 +13,7 @@ import torch
 
 from ..config import ConfigError, EngineConfig
 from ..device import to_device
-from ..layers import lora
+from ..layers import cublaslt, lora
 from ..layers.attention import attention_backend
 from ..layers.logits_processors import process_logits
 from ..layers.parallel import WHOLE, building
@@ -96,6 +96,8 @@ class ModelRunner:
         self.pending_tokens: Optional[torch.Tensor] = None  # [rows] the in-flight step's sampled tokens
         self.follower = None  # rank 0 with speculation: the proposer's work in plain-decode graphs (a Follower)
         self.backend = attention_backend(config.execution.attention_backend)
+        if self.device.type == "cuda":
+            cublaslt.TUNE_ROWS = config.execution.gemm_tuning_rows or None
         # unseeded sampling draws from the engine's own generator, seeded by the model seed (not torch's global one)
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self.sampler = Sampler(self.generator)
