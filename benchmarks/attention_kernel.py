@@ -69,7 +69,8 @@ def cell(batch: int, context: int, q: int, splits: list, launches: list, bandwid
             if launch is not None:
                 block_n, warps, stages = launch
                 triton_attention.launch_options = lambda *_: {"BLOCK_N": block_n, "num_warps": warps,
-                                                              "num_stages": stages}
+                                                              "num_stages": stages,
+                                                              "PAGES_AHEAD": triton_attention.PAGES_AHEAD}
             for s in splits:
                 meta = build([q] * batch, [context + q] * batch, tables, PAGE, dev, HEADS // KV_HEADS,
                              kv_cache=cache, num_splits=s)

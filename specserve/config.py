@@ -147,7 +147,7 @@ class ExecutionConfig:
                                            "(0: such steps run eagerly)")
     disable_overlap_schedule: bool = _opt(False, "finish each step before preparing the next (no overlap of "
                                                  "host work with plain decode steps)")
-    gemm_tuning_rows: int = _opt(0, "CUDA: half-precision products of at least this many rows take the fastest "
+    gemm_tuning_rows: int = _opt(128, "CUDA: half-precision products of at least this many rows take the fastest "
                                     "of cuBLASLt's candidate algorithms for their shape, timed against cuBLAS's own "
                                     "pick when CUDA graphs are captured (0 = cuBLAS's pick always)")
 

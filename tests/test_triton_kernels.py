@@ -119,6 +119,18 @@ def test_splits(num_splits, kind, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("kind", list(SPLIT_CASES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pages_loaded_ahead(monkeypatch, num_splits, kind):
+    """Page numbers loaded a tile ahead of their keys (PAGES_AHEAD) give the same attention, the last tile's
+    look-ahead past the end masked."""
+    monkeypatch.setattr(triton_attention, "PAGES_AHEAD", True)
+    q_lens, ctx_lens, trees = SPLIT_CASES[kind]
+    run_case(q_lens, ctx_lens, 6, 2, 32, torch.float32, trees=trees, num_splits=num_splits, seed=num_splits)
+    run_case([1, 1, 1], [5, 40, 200], 32, 8, 128, HALF, num_splits=num_splits)
+
+
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 16), (2, 1, 192)])
 @pytest.mark.parametrize("skip_first", [False, True])
 def test_splits_shapes_and_skip_first(heads, kv_heads, head_dim, skip_first):

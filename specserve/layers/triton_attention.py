@@ -58,7 +58,7 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_previous(PDL)
         tile = tl.program_id(0)
@@ -94,10 +94,18 @@ if triton is not None:
             chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
             lo = tl.program_id(2) * chunk
             hi = tl.minimum(lo + chunk, kv_end)
+        table = block_tables + b * stride_bt
+        if PAGES_AHEAD:  # each tile's page numbers loaded a tile ahead: K and V get pipeline buffers (session 53)
+            j_ahead = lo + tl.arange(0, BLOCK_N)
+            page_ahead = tl.load(table + j_ahead // PAGE, mask=j_ahead < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             jvalid = j < hi
-            page = tl.load(block_tables + b * stride_bt + j // PAGE, mask=jvalid, other=0)
+            if PAGES_AHEAD:
+                page = page_ahead
+                page_ahead = tl.load(table + (j + BLOCK_N) // PAGE, mask=j + BLOCK_N < hi, other=0)
+            else:
+                page = tl.load(table + j // PAGE, mask=jvalid, other=0)
             slot = page.to(tl.int64) * PAGE + j % PAGE
             kv_off = slot[:, None] * stride_ct + kvh * stride_ch + d[None, :]
             kv_mask = jvalid[:, None] & dmask[None, :]
@@ -145,9 +153,14 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
+PAGES_AHEAD = False  # load each tile's page numbers a tile ahead of its keys
+STAGES = None  # num_stages of the launch (None: Triton's default)
+
+
 def launch_options(head_dim: int) -> dict:
     """BLOCK_N and the launch settings of `_paged_attention` (benchmarks/attention_kernel.py tries others)."""
-    return {"BLOCK_N": block_n_for(head_dim), "num_warps": 4}
+    stages = {} if STAGES is None else {"num_stages": STAGES}
+    return {"BLOCK_N": block_n_for(head_dim), "num_warps": 4, "PAGES_AHEAD": PAGES_AHEAD, **stages}
 
 
 def block_q_for(max_q: int, group: int) -> int:
