@@ -22,8 +22,8 @@ _R_32F, _R_16F, _R_16BF = 0, 2, 14  # cudaDataType_t
 _DESC_TRANSA, _DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 _OP_N, _OP_T = 0, 1
 _PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
-_CONFIG = {"id": 0, "tile": 1, "split_k": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6,
-           "inner_shape": 7, "cluster": 8}  # cublasLtMatmulAlgoConfigAttributes_t
+_CONFIG = {"id": (0, 4), "tile": (1, 4), "split_k": (2, 4), "reduction": (3, 4), "swizzle": (4, 4), "custom": (5, 4),
+           "stages": (6, 4), "inner_shape": (7, 2), "cluster": (8, 2)}  # cublasLtMatmulAlgoConfigAttributes_t, bytes
 _DTYPES = {torch.bfloat16: _R_16BF, torch.float16: _R_16F, torch.float32: _R_32F}
 
 
@@ -77,12 +77,12 @@ def _layout(dtype: torch.dtype, rows: int, cols: int, ld: int) -> ctypes.c_void_
 def algo_config(algo: Algo) -> dict:
     """The algorithm's configuration ids (tile, stages, split-K, cluster shape, ...), for reports."""
     out = {}
-    for name, attr in _CONFIG.items():
+    for name, (attr, size) in _CONFIG.items():
         value, written = ctypes.c_uint64(0), ctypes.c_size_t(0)
         status = library().cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(value),
-                                                                ctypes.c_size_t(8), ctypes.byref(written))
+                                                                ctypes.c_size_t(size), ctypes.byref(written))
         if status == 0:
-            out[name] = int.from_bytes(bytes(value)[:written.value], "little") if written.value else 0
+            out[name] = value.value
     return out
 
 

@@ -153,7 +153,7 @@ def block_n_for(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-PAGES_AHEAD = False  # load each tile's page numbers a tile ahead of its keys
+PAGES_AHEAD = True  # load each tile's page numbers a tile ahead of its keys
 STAGES = None  # num_stages of the launch (None: Triton's default)
 
 
