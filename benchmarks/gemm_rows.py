@@ -74,13 +74,18 @@ def sustained_seconds(fn, warm: float) -> float:
     return time_events(graph.replay, 10, warmup=0)
 
 
-def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float) -> list[dict]:
+def operands(k: int, n: int, rows: int, layers: int) -> tuple:
+    """Rows x [rows, k], `layers` weight copies [n, k] and outputs [rows, n] (bf16 on CUDA), F.linear of the first
+    weight in fp32, and the product's FLOPs."""
     dev = torch.device("cuda")
     x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
     ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(layers)]
     ys = [torch.empty(rows, n, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-    want = F.linear(x, ws[0]).float()
-    flops = 2 * rows * n * k
+    return x, ws, ys, F.linear(x, ws[0]).float(), 2 * rows * n * k
+
+
+def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float) -> list[dict]:
+    x, ws, ys, want, flops = operands(k, n, rows, layers)
     out = []
 
     def record(impl: str, seconds: float, **extra) -> None:
@@ -101,14 +106,19 @@ def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float) -
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def product_arguments(doc: str, out: str, warm: float) -> argparse.ArgumentParser:
+    """The options a benchmark of these products takes (rows, shapes, weight copies, warm-up, output)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--layers", type=int, default=32, help="weight copies a graph cycles through")
-    ap.add_argument("--warm", type=float, default=1.0, help="seconds of replays before timing")
-    ap.add_argument("--out", default="gemm_rows.json")
-    args = ap.parse_args()
+    ap.add_argument("--warm", type=float, default=warm, help="seconds of replays before timing")
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def main() -> None:
+    args = product_arguments(__doc__, "gemm_rows.json", 1.0).parse_args()
     results = []
     for rows in args.rows:
         for name in args.shapes:

@@ -12,11 +12,9 @@ Each product is a CUDA graph of one call per layer on its own weight copy (nothi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,34 +22,16 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from attention_kernel import captured  # noqa: E402
-from gpu_decode import time_events  # noqa: E402
+from gemm_rows import SHAPES, operands, product_arguments  # noqa: E402
+from gemm_rows import sustained_seconds as sustained  # noqa: E402
 
 from specserve.layers import cublaslt  # noqa: E402
 
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
-
-
-def sustained(fn, warm: float) -> float:
-    graph = captured(fn)
-    end = time.perf_counter() + warm
-    while time.perf_counter() < end:
-        graph.replay()
-        torch.cuda.synchronize()
-    seconds = time_events(graph.replay, 10, warmup=0)
-    del graph
-    return seconds
-
 
 def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float, count: int) -> dict:
-    dev = torch.device("cuda")
-    x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
-    ws = [torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02 for _ in range(layers)]
-    ys = [torch.empty(rows, n, dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-    want = F.linear(x, ws[0]).float()
-    flops = 2 * rows * n * k
+    x, ws, ys, want, flops = operands(k, n, rows, layers)
     mm = cublaslt.LtMatmul(rows, n, k)
-    workspace = torch.empty(mm.workspace_bytes, dtype=torch.uint8, device=dev)
+    workspace = torch.empty(mm.workspace_bytes, dtype=torch.uint8, device=x.device)
     algos = mm.candidates(count)
     torch_us, entries = [], []
 
@@ -85,13 +65,8 @@ def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float, c
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[256])
-    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    ap.add_argument("--layers", type=int, default=32, help="weight copies a graph cycles through")
-    ap.add_argument("--warm", type=float, default=0.25, help="seconds of replays before timing")
+    ap = product_arguments(__doc__, "lt_algos.json", 0.25)
     ap.add_argument("--count", type=int, default=24, help="algorithms asked of the heuristic")
-    ap.add_argument("--out", default="lt_algos.json")
     args = ap.parse_args()
     results = []
     for rows in args.rows:
