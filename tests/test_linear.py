@@ -243,3 +243,23 @@ def test_tuned_products_are_the_linear_and_tune_only_when_asked(monkeypatch, row
     graph.replay()
     want = F.linear(x.float(), w.float(), b.float())
     assert (replayed.float() - want).norm() / want.norm() < 1e-2
+
+
+def test_only_aligned_half_products_of_many_rows_are_tuned(monkeypatch):
+    """The plan key: None below TUNE_ROWS, in fp32, for an operand off the alignment the candidates assume (a view
+    one row in) and with tuning off; the shape and row stride otherwise."""
+    from specserve.layers import cublaslt
+
+    monkeypatch.setattr(cublaslt, "TUNE_ROWS", 128)
+    def aligned(*shape):
+        buf = torch.zeros(shape[0] * shape[1] + cublaslt.ALIGN, dtype=torch.bfloat16)
+        start = -buf.data_ptr() % cublaslt.ALIGN // 2
+        return buf[start:start + shape[0] * shape[1]].view(*shape)
+
+    x, w = aligned(300, 64), aligned(32, 64)
+    assert cublaslt._key(x, w) == (300, 32, 64, 64, torch.bfloat16, None)
+    assert cublaslt._key(x[:127], w) is None
+    assert cublaslt._key(x[1:], w) is None  # 128 bytes in
+    assert cublaslt._key(x.float(), w.float()) is None
+    monkeypatch.setattr(cublaslt, "TUNE_ROWS", None)
+    assert cublaslt._key(x, w) is None

@@ -161,9 +161,15 @@ def tuning():
         _tuning = before
 
 
+ALIGN = 256  # bytes: the heuristic's candidates assume operands at this alignment (its preference's default)
+
+
 def _key(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
+    """The plan key of x [m, k] @ weight [n, k].T, or None for products never tuned: below TUNE_ROWS, not half
+    precision, strided columns, or an operand off ALIGN (a view into another tensor)."""
     if (TUNE_ROWS is None or x.dim() != 2 or x.shape[0] < TUNE_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-            or weight.dtype != x.dtype or x.stride(1) != 1 or not weight.is_contiguous()):
+            or weight.dtype != x.dtype or x.stride(1) != 1 or not weight.is_contiguous()
+            or x.data_ptr() % ALIGN or weight.data_ptr() % ALIGN or x.stride(0) * x.element_size() % 16):
         return None
     return (x.shape[0], weight.shape[0], x.shape[1], x.stride(0), x.dtype, x.device.index)
 
