@@ -7,8 +7,10 @@ another algorithm (tile, split-K, stream-K) run any of these shapes faster?
 
     python benchmarks/lt_algos.py --rows 256 --out lt_algos.json
 
-Each product is a CUDA graph of one call per layer on its own weight copy (nothing read from L2), replayed for
-`--warm` seconds before timing, then the median of 10 replays; torch's product is timed again every 8 algorithms.
+After the heuristic's algorithms come `LtMatmul.variants` of its first `cublaslt.VARIED` (other cluster shapes and
+swizzles), as the engine's tuning times them. Each product is a CUDA graph of one call per layer on its own weight
+copy (nothing read from L2), replayed for `--warm` seconds before timing, then the median of 10 replays; torch's
+product is timed again every 8 algorithms.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float, c
     mm = cublaslt.LtMatmul(rows, n, k)
     workspace = torch.empty(mm.workspace_bytes, dtype=torch.uint8, device=x.device)
     algos = mm.candidates(count)
+    heuristic = len(algos)
+    algos += mm.variants([algo for algo, _ in algos[:cublaslt.VARIED]])
     torch_us, entries = [], []
 
     def time_torch():
@@ -53,7 +57,7 @@ def shape_rows(name: str, k: int, n: int, rows: int, layers: int, warm: float, c
             entries.append({"index": i, "error": str(e)})
             continue
         entries.append({"index": i, "us": us, "tflops": flops / us / 1e6, "max_error": error, "workspace": need,
-                        "config": cublaslt.algo_config(algo)})
+                        "config": cublaslt.algo_config(algo), "variant": i >= heuristic})
         print(f"{name:>8} rows {rows}: algo {i:2d} {us:7.1f} us {flops / us / 1e6:5.0f} TFLOP/s err {error:.2e} "
               f"{entries[-1]['config']}", flush=True)
     time_torch()

@@ -245,6 +245,38 @@ def test_tuned_products_are_the_linear_and_tune_only_when_asked(monkeypatch, row
     assert (replayed.float() - want).norm() / want.norm() < 1e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt products run on CUDA")
+def test_each_variant_is_its_candidate_with_another_cluster_or_swizzle_and_the_same_product():
+    """`LtMatmul.variants`: each differs from the candidate it came from only in cluster shape and swizzle, none
+    repeats a candidate, and each computes F.linear's product to bf16 rounding (on Hopper there is at least one)."""
+    from specserve.layers import cublaslt
+
+    rows, n, k = 256, 6144, 4096
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=gen).cuda().bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).cuda().bfloat16()
+    want = F.linear(x.float(), w.float())
+    mm = cublaslt.LtMatmul(rows, n, k)
+    bases = [algo for algo, _ in mm.candidates(cublaslt.VARIED)]
+    variants = mm.variants(bases)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert variants
+
+    def without_cluster(algo):
+        return {key: v for key, v in cublaslt.algo_config(algo).items() if key not in ("cluster", "swizzle")}
+
+    configs = [cublaslt.algo_config(a) for a in bases]
+    workspace = torch.empty(mm.workspace_bytes, dtype=torch.uint8, device="cuda")
+    for algo, need in variants:
+        config = cublaslt.algo_config(algo)
+        assert config not in configs and need <= mm.workspace_bytes
+        assert any(without_cluster(algo) == without_cluster(b) for b in bases)
+        configs.append(config)
+        y = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        mm.run(x, w, y, algo, workspace)
+        assert (y.float() - want).norm() / want.norm() < 1e-2
+
+
 def test_only_aligned_half_products_of_many_rows_are_tuned(monkeypatch):
     """The plan key: None below TUNE_ROWS, in fp32, for an operand off the alignment the candidates assume (a view
     one row in) and with tuning off; the shape and row stride otherwise."""

@@ -2,7 +2,9 @@
 
 At 256 rows the 8B shape's gate/up product is 224 output tiles of 256 x 128 on 132 multiprocessors: its second
 wave is 70% full. cuBLASLt's heuristic lists other algorithms (tiles, split-K, stream-K schedules) for a shape;
-`candidates` returns them and `LtMatmul.run` calls one. The binding goes through ctypes into the libcublasLt
+`candidates` returns them, `variants` the first of them with other cluster shapes and swizzles (which ran the 8B's
+gate/up, down and q/k/v products at 256 rows 2-8% faster than any heuristic candidate on the H200), and
+`LtMatmul.run` calls one. The binding goes through ctypes into the libcublasLt
 that torch itself has loaded, so nothing is built or downloaded.
 
 Y [M, N] = X [M, K] @ W [N, K].T in row-major is, in cuBLASLt's column-major terms, D [N, M] = op(W) [N, K] @ X^T
@@ -88,6 +90,14 @@ def algo_config(algo: Algo) -> dict:
     return out
 
 
+def _set_config(algo: Algo, name: str, value: int) -> int:
+    """Sets one configuration attribute of the algorithm; cuBLASLt's status (0: set)."""
+    attr, size = _CONFIG[name]
+    buf = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(value)
+    return library().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf),
+                                                          ctypes.c_size_t(size))
+
+
 @dataclass
 class LtMatmul:
     """One product shape, Y [m, n] = X [m, k] @ W [n, k].T, its descriptors built once."""
@@ -131,6 +141,34 @@ class LtMatmul:
         lib.cublasLtMatmulPreferenceDestroy(pref)
         return [(results[i].algo, int(results[i].workspace)) for i in range(found.value) if results[i].state == 0]
 
+    def variants(self, algos: list[Algo]) -> list[tuple[Algo, int]]:
+        """Each of algos with each cluster shape in CLUSTERS and CTA swizzling off and on, where cuBLASLt's check
+        accepts that for this shape within the workspace, with the workspace each needs; configurations equal to
+        one of algos left out. The heuristic proposes one cluster shape and swizzle per tile."""
+        seen = {tuple(algo_config(a).items()) for a in algos}
+        out = []
+        for base in algos:
+            for cluster in CLUSTERS:
+                for swizzle in (0, 1):
+                    algo = Algo()
+                    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+                    if _set_config(algo, "cluster", cluster) or _set_config(algo, "swizzle", swizzle):
+                        continue
+                    config, need = tuple(algo_config(algo).items()), self._check(algo)
+                    if need is not None and config not in seen:
+                        seen.add(config)
+                        out.append((algo, need))
+        return out
+
+    def _check(self, algo: Algo) -> int | None:
+        """The workspace bytes the algorithm needs for this shape, or None where cuBLASLt refuses it or it needs
+        more than the workspace."""
+        result = _Heuristic()
+        a, b, c = self._layouts
+        status = library().cublasLtMatmulAlgoCheck(_handle, self._desc, a, b, c, c, ctypes.byref(algo),
+                                                  ctypes.byref(result))
+        return int(result.workspace) if status == 0 and result.workspace <= self.workspace_bytes else None
+
     def run(self, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, algo: Algo, workspace: torch.Tensor) -> None:
         # x [m, k], w [n, k], y [m, n]
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
@@ -145,6 +183,8 @@ class LtMatmul:
 
 TUNE_ROWS: int | None = None  # products of at least this many rows take the fastest algorithm timed; None = off
 TRIES = 8  # heuristic candidates timed for a shape
+VARIED = 3  # the first candidates also timed with each cluster shape in CLUSTERS and swizzle (`LtMatmul.variants`)
+CLUSTERS = (2, 5)  # cublasLtClusterShape_t: 1x1x1, 1x2x1
 MARGIN = 0.97  # a candidate replaces torch's product only when it takes less than this share of its time
 _plans: dict[tuple, tuple[LtMatmul, Algo] | None] = {}
 _workspaces: dict[tuple, torch.Tensor] = {}
@@ -222,13 +262,15 @@ def _seconds(fn, calls: int = 10) -> float:
 
 
 def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None:
-    """The fastest candidate for x @ weight.T that agrees with torch's product, if it beats it by MARGIN."""
+    """The fastest candidate (or variant of the first VARIED) for x @ weight.T that agrees with torch's product, if
+    it beats it by MARGIN."""
     mm = LtMatmul(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.stride(0))
     want = F.linear(x, weight)  # [m, n]
     tolerance = 16 * torch.finfo(x.dtype).eps * want.float().abs().max().item()
     y, ws = torch.empty_like(want), _workspace(x.device, mm.workspace_bytes)
     best, best_s = None, _seconds(lambda: F.linear(x, weight)) * MARGIN
-    for algo, _ in mm.candidates(TRIES):
+    candidates = [algo for algo, _ in mm.candidates(TRIES)]
+    for algo in candidates + [algo for algo, _ in mm.variants(candidates[:VARIED])]:
         try:
             mm.run(x, weight, y, algo, ws)
             if (y.float() - want.float()).abs().max().item() > tolerance:
