@@ -6,7 +6,7 @@ cuBLASLt's own check, timed against F.linear. Three sources, in order:
 
     python benchmarks/lt_search.py --rows 256 --seconds 105 --out lt_search.json
 
-Quick timing (20 calls on one weight, after 3), so shapes whose weights fit in L2 read faster than in a decode
+Quick timing (20 calls on one weight, after one), so shapes whose weights fit in L2 read faster than in a decode
 step; `lt_algos.py` times the heuristic and `LtMatmul.variants` under sustained load. Each shape gets a share of
 --seconds (half to the first).
 """
@@ -32,16 +32,8 @@ from specserve.layers import cublaslt as lt  # noqa: E402
 _CAP_SPLITK, _CAP_TILES, _CAP_STAGES = 0, 6, 13  # cublasLtMatmulAlgoCapAttributes_t
 
 
-def quick_us(fn, calls: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls * 1e3
+def quick_us(fn) -> float:
+    return lt._seconds(fn, calls=20) * 1e6
 
 
 def cap(algo: lt.Algo, attr: int, array: bool) -> list[int] | int:
