@@ -8,7 +8,8 @@ batch-1 graph in 2.70 or 2.83 ms depending on the capture).
         --variants "triton_launch.MODE=3" "triton_launch.MODE=4" "triton_moe.DIRECT_UP=(8,512,4)"
 
 A variant is one or more `module.NAME=value` settings separated by ";" (value a Python literal); each variant
-starts from the settings the engine started with.
+starts from the settings the engine started with, and its capture tunes products afresh (`cublaslt.forget`), so
+`"cublaslt.CLUSTERS=()"` against the default compares plans made with and without `LtMatmul.variants`.
 
 Dummy bf16 weights, `--context`-token prompts, the (batch, 1) graph replayed at context + 16 keys. The engine
 is built without mixed graphs: their static inputs (each step's tiles) are left from the last step, which a
@@ -32,6 +33,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import gpu_decode  # noqa: E402
 
 from specserve.engine import cuda_graph  # noqa: E402
+from specserve.layers import cublaslt  # noqa: E402
 
 
 def settings(variant: str) -> list[tuple[object, str, object]]:
@@ -74,6 +76,7 @@ def main() -> None:
                 setattr(module, name, value)
             for module, name, value in items:
                 setattr(module, name, value)
+            cublaslt.forget()  # products tuned afresh under this variant's settings
             runner.graphs.capture()
             for batch in args.batches:
                 gpu_decode.set_context(runner.graphs, runner, batch, 1, args.context + 16)

@@ -203,6 +203,11 @@ def tuning():
         _tuning = before
 
 
+def forget() -> None:
+    """Drops every shape's plan, so the next `tuning` times each shape afresh (under changed settings)."""
+    _plans.clear()
+
+
 ALIGN = 256  # bytes: the heuristic's candidates assume operands at this alignment (its preference's default)
 
 
