@@ -210,9 +210,10 @@ def replay_ms(runner, batch: int, context: int) -> float:
 
 def profile(runner, batch: int, context: int, replay: float) -> dict:
     """The engine's (batch, 1) decode graph at `context` keys a row: its replay time (`replay_ms`, timed before any
-    profiler ran), the sum of its kernels' times (the difference: time between kernels) and the CUDA time per kernel
-    name, largest first. With programmatic dependent launch a kernel's time includes its wait for the one ahead, so
-    the sum can exceed the replay."""
+    profiler ran), the sum of its kernels' times (the difference: time between kernels), the CUDA time per kernel
+    name, largest first, and the time between kernels by the kernels on either side (`boundaries`). With
+    programmatic dependent launch a kernel's time includes its wait for the one ahead, so the sum can exceed the
+    replay."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -224,6 +225,8 @@ def profile(runner, batch: int, context: int, replay: float) -> dict:
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]
     table = [{"kernel": e.key[:90], "calls_per_step": e.count / 3, "us_per_step": e.device_time_total / 3}
              for e in rows]
@@ -232,7 +235,29 @@ def profile(runner, batch: int, context: int, replay: float) -> dict:
           "replay; top: " +
           "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
           flush=True)
-    return {"replay_ms": replay, "kernels_ms": total / 1e3, "kernels": table}
+    between = boundaries(spans, 3)
+    print(f"  between kernels {sum(b['us_per_step'] for b in between):.0f} us a step; largest: " +
+          "; ".join(f"{b['after'][:24]} -> {b['before'][:24]} {b['us_per_step']:.0f}us x{b['per_step']:.0f}"
+                    for b in between[:6]), flush=True)
+    return {"replay_ms": replay, "kernels_ms": total / 1e3, "kernels": table, "between": between[:16]}
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name as `boundaries` groups it: cuBLAS's GEMMs as one family, others by name."""
+    return "cublas" if name.startswith(("nvjet", "sm90_xmma", "sm80_xmma", "cutlass", "ampere")) else name
+
+
+def boundaries(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
+    """Idle time between consecutive kernels (name, start us, end us) on the GPU, per step, by the pair of
+    kernel families on either side, largest first: where a graph's replay outlasts its kernels' sum."""
+    ordered = sorted(spans, key=lambda s: s[1])
+    pairs = {}
+    for (a, _, end), (b, start, _) in zip(ordered, ordered[1:]):
+        key = (kernel_family(a), kernel_family(b))
+        gap, count = pairs.get(key, (0.0, 0))
+        pairs[key] = (gap + max(0.0, start - end), count + 1)
+    return sorted(({"after": a, "before": b, "us_per_step": gap / steps, "per_step": count / steps}
+                   for (a, b), (gap, count) in pairs.items()), key=lambda r: -r["us_per_step"])
 
 
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
