@@ -54,12 +54,6 @@ def cap(algo: lt.Algo, attr: int, array: bool) -> list[int] | int:
     return list(values)
 
 
-def configured(base: lt.Algo, **config) -> lt.Algo | None:
-    algo = lt.Algo()
-    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(lt.Algo))
-    return None if any(lt._set_config(algo, name, value) for name, value in config.items()) else algo
-
-
 def listed_ids() -> list[tuple[int, lt.Algo]]:
     """Every bf16 algorithm id cuBLASLt lists, initialised."""
     types = (lt._COMPUTE_32F, lt._R_32F, lt._R_16BF, lt._R_16BF, lt._R_16BF, lt._R_16BF)
@@ -86,7 +80,7 @@ def search(name: str, k: int, n: int, rows: int, deadline: float) -> dict:
     timed, seen = [], set()
 
     def trial(algo: lt.Algo | None, origin: str) -> None:
-        need = None if algo is None else mm._check(algo)
+        need = mm.check(algo)
         config = None if need is None else lt.algo_config(algo)
         if config is None or tuple(config.items()) in seen or time.time() > deadline:
             return
@@ -109,7 +103,7 @@ def search(name: str, k: int, n: int, rows: int, deadline: float) -> dict:
                 for swizzle in (0, 1):
                     for cluster in (None, 0, 2, 3, 5, 6):
                         extra = {} if cluster is None else {"cluster": cluster}
-                        trial(configured(base, split_k=split, reduction=reduction, swizzle=swizzle, **extra),
+                        trial(lt.configured(base, split_k=split, reduction=reduction, swizzle=swizzle, **extra),
                               f"h{i}/split{split}/reduction{reduction}/swizzle{swizzle}/cluster{cluster}")
     for algo_id, base in listed_ids():
         splits = (1, 2, 4) if cap(base, _CAP_SPLITK, False) else (1,)
@@ -117,7 +111,7 @@ def search(name: str, k: int, n: int, rows: int, deadline: float) -> dict:
             for stages in cap(base, _CAP_STAGES, True) or [0]:
                 for cluster in (0, 2, 3):
                     for split in splits:
-                        trial(configured(base, tile=tile, stages=stages, cluster=cluster, split_k=split,
+                        trial(lt.configured(base, tile=tile, stages=stages, cluster=cluster, split_k=split,
                                          reduction=2 if split > 1 else 0), f"id{algo_id}")
     torch_us.append(quick_us(lambda: F.linear(x, w)))
     best = sorted((t for t in timed if t.get("correct")), key=lambda t: t["us"])

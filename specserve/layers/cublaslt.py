@@ -90,12 +90,18 @@ def algo_config(algo: Algo) -> dict:
     return out
 
 
-def _set_config(algo: Algo, name: str, value: int) -> int:
-    """Sets one configuration attribute of the algorithm; cuBLASLt's status (0: set)."""
-    attr, size = _CONFIG[name]
-    buf = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(value)
-    return library().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf),
-                                                          ctypes.c_size_t(size))
+def configured(base: Algo, **config: int) -> Algo | None:
+    """A copy of the algorithm with the given configuration attributes (names as in `algo_config`) set, or None
+    where cuBLASLt refuses one. Whether it runs for a shape is `LtMatmul`'s check."""
+    algo = Algo()
+    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
+    for name, value in config.items():
+        attr, size = _CONFIG[name]
+        buf = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(value)
+        if library().cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(algo), attr, ctypes.byref(buf),
+                                                          ctypes.c_size_t(size)):
+            return None
+    return algo
 
 
 @dataclass
@@ -150,19 +156,19 @@ class LtMatmul:
         for base in algos:
             for cluster in CLUSTERS:
                 for swizzle in (0, 1):
-                    algo = Algo()
-                    ctypes.memmove(ctypes.byref(algo), ctypes.byref(base), ctypes.sizeof(Algo))
-                    if _set_config(algo, "cluster", cluster) or _set_config(algo, "swizzle", swizzle):
-                        continue
-                    config, need = tuple(algo_config(algo).items()), self._check(algo)
-                    if need is not None and config not in seen:
+                    algo = configured(base, cluster=cluster, swizzle=swizzle)
+                    need = self.check(algo)
+                    config = None if need is None else tuple(algo_config(algo).items())
+                    if config is not None and config not in seen:
                         seen.add(config)
                         out.append((algo, need))
         return out
 
-    def _check(self, algo: Algo) -> int | None:
-        """The workspace bytes the algorithm needs for this shape, or None where cuBLASLt refuses it or it needs
-        more than the workspace."""
+    def check(self, algo: Algo | None) -> int | None:
+        """The workspace bytes the algorithm needs for this shape, or None where there is none, cuBLASLt refuses
+        it, or it needs more than the workspace."""
+        if algo is None:
+            return None
         result = _Heuristic()
         a, b, c = self._layouts
         status = library().cublasLtMatmulAlgoCheck(_handle, self._desc, a, b, c, c, ctypes.byref(algo),
