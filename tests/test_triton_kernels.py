@@ -119,12 +119,13 @@ def test_splits(num_splits, kind, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("ahead", [True, False])
 @pytest.mark.parametrize("kind", list(SPLIT_CASES))
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_pages_loaded_ahead(monkeypatch, num_splits, kind):
-    """Page numbers loaded a tile ahead of their keys (PAGES_AHEAD) give the same attention, the last tile's
-    look-ahead past the end masked."""
-    monkeypatch.setattr(triton_attention, "PAGES_AHEAD", True)
+def test_pages_loaded_ahead(monkeypatch, num_splits, kind, ahead):
+    """Page numbers loaded a tile ahead of their keys (PAGES_AHEAD, the default) or in the walk give the same
+    attention, the last tile's look-ahead past the end masked."""
+    monkeypatch.setattr(triton_attention, "PAGES_AHEAD", ahead)
     q_lens, ctx_lens, trees = SPLIT_CASES[kind]
     run_case(q_lens, ctx_lens, 6, 2, 32, torch.float32, trees=trees, num_splits=num_splits, seed=num_splits)
     run_case([1, 1, 1], [5, 40, 200], 32, 8, 128, HALF, num_splits=num_splits)

@@ -4,8 +4,8 @@ At 256 rows the 8B shape's gate/up product is 224 output tiles of 256 x 128 on 1
 wave is 70% full. cuBLASLt's heuristic lists other algorithms (tiles, split-K, stream-K schedules) for a shape;
 `candidates` returns them, `variants` the first of them with other cluster shapes and swizzles (which ran the 8B's
 gate/up, down and q/k/v products at 256 rows 2-8% faster than any heuristic candidate on the H200), and
-`LtMatmul.run` calls one. The binding goes through ctypes into the libcublasLt
-that torch itself has loaded, so nothing is built or downloaded.
+`LtMatmul.run` calls one. The binding goes through ctypes into the libcublasLt that torch itself has loaded, so
+nothing is built or downloaded.
 
 Y [M, N] = X [M, K] @ W [N, K].T in row-major is, in cuBLASLt's column-major terms, D [N, M] = op(W) [N, K] @ X^T
 with W transposed: the same TN product torch issues.
@@ -276,15 +276,16 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None
     """The fastest candidate (or variant of the first VARIED) for x @ weight.T that agrees with torch's product, if
     it beats it by MARGIN."""
     mm = LtMatmul(x.shape[0], weight.shape[0], x.shape[1], x.dtype, x.stride(0))
-    want = F.linear(x, weight)  # [m, n]
-    tolerance = 16 * torch.finfo(x.dtype).eps * want.float().abs().max().item()
-    y, ws = torch.empty_like(want), _workspace(x.device, mm.workspace_bytes)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)  # [m, n]
+    ws = _workspace(x.device, mm.workspace_bytes)
+    want = F.linear(x, weight).float()  # [m, n]
+    tolerance = 16 * torch.finfo(x.dtype).eps * want.abs().max().item()
     best, best_s = None, _seconds(lambda: F.linear(x, weight)) * MARGIN
     candidates = [algo for algo, _ in mm.candidates(TRIES)]
     for algo in candidates + [algo for algo, _ in mm.variants(candidates[:VARIED])]:
         try:
             mm.run(x, weight, y, algo, ws)
-            if (y.float() - want.float()).abs().max().item() > tolerance:
+            if (y.float() - want).abs().max().item() > tolerance:
                 continue
             seconds = _seconds(lambda: mm.run(x, weight, y, algo, ws))
         except CublasLtError:

@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.is_cuda:
         if _gemv_fits(x, weight):
             return triton_gemv.gemv(x, weight, bias)
-        y = cublaslt.product(x, weight) if x.dim() == 2 else None
+        y = cublaslt.product(x, weight)
         return F.linear(x, weight, bias) if y is None else _shaped(y, bias, x)
     if x.dtype != torch.float32:
         return F.linear(x, weight, bias)
