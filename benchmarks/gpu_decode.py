@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -105,6 +106,44 @@ def roofline(arch: ArchConfig, layout: WeightLayout, batch: int, context: float,
     return max((2 * layout.read(tokens) + kv_bytes) / ceil["copy_bytes_per_s"], flops / ceil["bf16_flops_per_s"])
 
 
+class PowerLog:
+    """The board power and SM clock of the current CUDA device, sampled by nvidia-smi every 100 ms while inside
+    (no samples where nvidia-smi is missing). Sustained compute-bound decode steps run at the board's power cap,
+    at a lower clock than a burst of graph replays (session 59: an H100 at 700 W and 1,300-1,500 MHz in the 8B
+    batch-256 decode)."""
+
+    def __enter__(self) -> "PowerLog":
+        self.samples: list[tuple[float, float]] = []  # (watts, MHz)
+        self.uuid = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", ""))
+        command = ["nvidia-smi", "--query-gpu=uuid,power.draw,clocks.sm", "--format=csv,noheader,nounits", "-lms",
+                   "100"]
+        try:
+            self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        for line in self.proc.communicate(timeout=10)[0].splitlines():
+            try:
+                uuid, watts, mhz = (x.strip() for x in line.split(","))
+                if uuid.removeprefix("GPU-") == self.uuid.removeprefix("GPU-") or not self.uuid:
+                    self.samples.append((float(watts), float(mhz)))
+            except ValueError:
+                continue
+
+    def summary(self) -> dict:
+        """Mean and peak watts, mean and lowest SM clock over the samples ({} without any)."""
+        if not self.samples:
+            return {}
+        watts, mhz = zip(*self.samples)
+        return {"watts": statistics.fmean(watts), "max_watts": max(watts), "sm_mhz": statistics.fmean(mhz),
+                "min_sm_mhz": min(mhz), "power_samples": len(watts)}
+
+
 def batches_at(args, context: int) -> list[int]:
     """The batch sizes measured at this context: those whose KV fits --max-kv-tokens."""
     return [b for b in args.batches if b * (context + args.gen_len) <= args.max_kv_tokens]
@@ -137,10 +176,14 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
         row = {"roofline_tokens_per_s": best}
         for overlap in (True, False):
             engine.overlap = overlap
-            tps = decode_rate(engine, batch, context, args, arch, gen)
+            with PowerLog() as power:
+                tps = decode_rate(engine, batch, context, args, arch, gen)
             row["tokens_per_s" if overlap else "tokens_per_s_without_overlap"] = tps
+            if overlap:
+                row.update(power.summary())
+            watts = f", {row['watts']:.0f} W at {row['sm_mhz']:.0f} MHz" if overlap and "watts" in row else ""
             print(f"specserve context {context} batch {batch} overlap {'on ' if overlap else 'off'}: "
-                  f"{tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}", flush=True)
+                  f"{tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}{watts}", flush=True)
         row["fraction"] = row["tokens_per_s"] / best
         out["decode"][batch] = row
     engine.overlap = True

@@ -191,6 +191,7 @@ TUNE_ROWS: int | None = None  # products of at least this many rows take the fas
 TRIES = 8  # heuristic candidates timed for a shape
 VARIED = 3  # the first candidates also timed with each cluster shape in CLUSTERS and swizzle (`LtMatmul.variants`)
 CLUSTERS = (2, 5)  # cublasLtClusterShape_t: 1x1x1, 1x2x1
+IN_GRAPH = True  # candidates timed inside a CUDA graph, as a captured step runs them (`_seconds`)
 MARGIN = 0.97  # a candidate replaces torch's product only when it takes less than this share of its time
 _plans: dict[tuple, tuple[LtMatmul, Algo] | None] = {}
 _workspaces: dict[tuple, torch.Tensor] = {}
@@ -261,15 +262,36 @@ def _workspace(device: torch.device, size: int) -> torch.Tensor:
     return _workspaces[key]
 
 
-def _seconds(fn, calls: int = 10) -> float:
-    fn()
+def _seconds(fn, calls: int = 5, reps: int = 3) -> float:
+    """Seconds a call of fn takes as a captured step runs it (IN_GRAPH): `calls` calls in a CUDA graph, replayed
+    `reps` times after a first replay, the fastest replay's mean. So what cuBLASLt launches beside some algorithms'
+    kernels (a memset: session 59's 8B batch-256 graph had 33 a step, ~5.8 us each with the gaps around them on an
+    H100) is counted as the engine's graphs pay it. Without IN_GRAPH, `calls` calls launched eagerly."""
+    fn()  # allocations and lazy loading outside the capture
+    if not IN_GRAPH:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / calls
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
+    return best
 
 
 def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None:
@@ -292,4 +314,6 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None
             continue
         if seconds < best_s:
             best, best_s = algo, seconds
+    if IN_GRAPH:
+        torch.cuda.empty_cache()  # the timing graphs' memory pools, released only here
     return None if best is None else (mm, best)
