@@ -195,6 +195,7 @@ IN_GRAPH = True  # candidates timed inside a CUDA graph, as a captured step runs
 MARGIN = 0.97  # a candidate replaces torch's product only when it takes less than this share of its time
 _plans: dict[tuple, tuple[LtMatmul, Algo] | None] = {}
 _workspaces: dict[tuple, torch.Tensor] = {}
+_streams: dict[int, torch.cuda.Stream] = {}  # device -> the stream timing graphs capture on (one cuBLAS workspace)
 _tuning = False
 
 
@@ -268,22 +269,28 @@ def _seconds(fn, calls: int = 5, reps: int = 3) -> float:
     kernels (a memset: session 59's 8B batch-256 graph had 33 a step, ~5.8 us each with the gaps around them on an
     H100) is counted as the engine's graphs pay it. Without IN_GRAPH, `calls` calls launched eagerly."""
     fn()  # allocations and lazy loading outside the capture
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if not IN_GRAPH:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3 / calls
-    stream = torch.cuda.Stream()
+    device = torch.cuda.current_device()
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream()
+    stream, graph = _streams[device], torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            fn()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = float("inf")
     for _ in range(reps):
         start.record()
@@ -315,5 +322,5 @@ def _tune(x: torch.Tensor, weight: torch.Tensor) -> tuple[LtMatmul, Algo] | None
         if seconds < best_s:
             best, best_s = algo, seconds
     if IN_GRAPH:
-        torch.cuda.empty_cache()  # the timing graphs' memory pools, released only here
+        torch.cuda.empty_cache()  # the timing graphs' memory pools (each released with its graph)
     return None if best is None else (mm, best)
