@@ -1,11 +1,12 @@
 """Decode speed on a GPU against the roofline, specserve beside Hugging Face transformers' static cache.
 
 One run measures, on the device it runs on:
-- the two ceilings: device-to-device copy bandwidth and bf16 matmul rate;
+- the two ceilings: device-to-device copy bandwidth and bf16 matmul rate (in a burst; the matmul rate also after 2 s
+  of products, at the board's power cap, for a second roofline beside the first);
 - specserve (dummy weights from a config.json, CUDA graphs, Triton paged attention): start-up and graph
   capture time, decode tokens/s at each batch size through the whole engine (scheduler, sampling,
   bookkeeping included), each against its roofline: step time = max(bytes read and written per step /
-  copy bandwidth, FLOPs per step / matmul rate);
+  copy bandwidth, FLOPs per step / matmul rate), and the board's power and SM clock while it decodes;
 - the cost of a verify step with 2, 4, 8 tokens per request relative to a 1-token step, per batch size
   (graph replays of the target forward);
 - transformers `generate` with `cache_implementation="static"` on the same shape and weights' dtype;
@@ -50,6 +51,19 @@ def ceilings(device) -> dict:
     copy_s = time_events(lambda: dst.copy_(src), 20)
     mm_s = time_events(lambda: a @ b, 20)
     return {"copy_bytes_per_s": 2 * src.numel() * 2 / copy_s, "bf16_flops_per_s": 2 * 8192 ** 3 / mm_s}
+
+
+def sustained_matmul_rate(device, seconds: float = 2.0) -> float:
+    """bf16 matmul FLOP/s after `seconds` of back-to-back products: the rate a compute-bound step keeps once the
+    board reaches its power cap (`ceilings` times a burst of 23 products, ~30 ms, before the cap engages)."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ b  # noqa: B018
+        torch.cuda.synchronize(device)
+    return 2 * 8192 ** 3 / time_events(lambda: a @ b, 20, warmup=0)
 
 
 def time_events(fn, reps: int, warmup: int = 3) -> float:
@@ -110,7 +124,8 @@ class PowerLog:
     """The board power and SM clock of the current CUDA device, sampled by nvidia-smi every 100 ms while inside
     (no samples where nvidia-smi is missing). Sustained compute-bound decode steps run at the board's power cap,
     at a lower clock than a burst of graph replays (session 59: an H100 at its 700 W cap ran the 8B batch-256
-    decode at a median 1,545 MHz, against 1,980 at small batches)."""
+    decode at a median 1,545 MHz, against 1,980 at small batches). nvidia-smi's power.draw is a one-second average
+    on Hopper cards, so a run shorter than that partly reads the one before it."""
 
     def __enter__(self) -> "PowerLog":
         self.samples: list[tuple[float, float]] = []  # (watts, MHz)
@@ -173,7 +188,9 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     for batch in batches:
         best = batch / roofline(arch, layout, batch, context + args.gen_len / 2, 1, ceil)
-        row = {"roofline_tokens_per_s": best}
+        sustained = {**ceil, "bf16_flops_per_s": ceil.get("bf16_flops_per_s_sustained", ceil["bf16_flops_per_s"])}
+        best_sustained = batch / roofline(arch, layout, batch, context + args.gen_len / 2, 1, sustained)
+        row = {"roofline_tokens_per_s": best, "roofline_sustained_tokens_per_s": best_sustained}
         for overlap in (True, False):
             engine.overlap = overlap
             with PowerLog() as power:
@@ -185,6 +202,9 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
             print(f"specserve context {context} batch {batch} overlap {'on ' if overlap else 'off'}: "
                   f"{tps:,.0f} tok/s = {tps / best:.0%} of roofline {best:,.0f}{watts}", flush=True)
         row["fraction"] = row["tokens_per_s"] / best
+        row["fraction_sustained"] = row["tokens_per_s"] / best_sustained
+        print(f"specserve context {context} batch {batch}: {row['fraction_sustained']:.0%} of the roofline at the "
+              f"sustained matmul rate ({best_sustained:,.0f} tok/s)", flush=True)
         out["decode"][batch] = row
     engine.overlap = True
     runner = engine.runner
@@ -406,8 +426,10 @@ def main() -> None:
               "gemv_rows": linear.GEMV_ROWS, "fused_rows": args.fused_rows, "pdl": triton_launch.MODE,
               "contexts": args.contexts, "gen_len": args.gen_len, "max_model_len": args.max_model_len,
               "ceilings": ceilings("cuda")}
+    result["ceilings"]["bf16_flops_per_s_sustained"] = sustained_matmul_rate("cuda")
     print(f"copy {result['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-          f"bf16 {result['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+          f"bf16 {result['ceilings']['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s "
+          f"({result['ceilings']['bf16_flops_per_s_sustained'] / 1e12:.0f} sustained)", flush=True)
     print(f"weights read per step: {layout.read(1) * 2 / 1e9:.2f} GB at 1 token, {layout.read(256) * 2 / 1e9:.2f} GB at"
           f" 256; active parameters {layout.active() / 1e9:.2f} B", flush=True)
     for context in args.contexts:
@@ -426,7 +448,8 @@ def summary(result: dict, args) -> None:
     for context, cell in result.get("specserve", {}).items():
         for b in batches_at(args, context):
             s = cell["decode"][b]
-            line = f"context {context:>6} batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%})"
+            line = f"context {context:>6} batch {b:>4}: specserve {s['tokens_per_s']:>9,.0f} ({s['fraction']:.0%}"
+            line += f"; {s['fraction_sustained']:.0%} sustained)" if "fraction_sustained" in s else ")"
             for other, name in (("hf", "transformers"), ("loop", "per-expert loop")):
                 if context in result.get(other, {}):
                     h = result[other][context]["decode"][b]
