@@ -6,9 +6,10 @@ cuBLASLt's own check, timed against F.linear. Three sources, in order:
 
     python benchmarks/lt_search.py --rows 256 --seconds 105 --out lt_search.json
 
-Quick timing (20 calls on one weight, after one), so shapes whose weights fit in L2 read faster than in a decode
-step; `lt_algos.py` times the heuristic and `LtMatmul.variants` under sustained load. Each shape gets a share of
---seconds (half to the first).
+Quick timing as the engine's tuning times (`cublaslt._seconds`: 20 calls on one weight, in a CUDA graph unless
+`cublaslt.IN_GRAPH` is off), so shapes whose weights fit in L2 read faster than in a decode step; `lt_algos.py`
+times the heuristic and `LtMatmul.variants` under sustained load. Each shape gets a share of --seconds (half to the
+first).
 """
 from __future__ import annotations
 
