@@ -172,17 +172,22 @@ def test_long_contexts(kind, num_splits):
 
 
 def test_splits_for():
-    assert splits_for(1, 8, 16384, 64) == 64  # batch 1 of an 8B Llama: 8 programs -> 512, 4 per multiprocessor
-    assert splits_for(16, 8, 16384, 64) == 4  # 128 -> 512
-    assert splits_for(2, 8, 16384, 64, sms=78) == 16  # 16 programs -> 256 of at most 312
-    assert splits_for(64, 8, 16384, 64) == 1  # 512 programs fill the GPU already
+    """At most one wave of programs (3 x 132 on an H100 / H200) or MIN_WAVES of them, never 1.3."""
+    assert splits_for(1, 8, 16384, 64) == 32  # batch 1 of an 8B Llama: 8 programs -> 256; 64 would make 1.3 waves
+    assert splits_for(1, 8, 32768, 64) == 32
+    assert splits_for(16, 8, 4096, 64) == 2  # 128 -> 256
+    assert splits_for(64, 8, 4096, 64) == 4  # 512 programs are 1.3 waves: 2,048 are 5.2
+    assert splits_for(64, 8, 16384, 64) == 4
+    assert splits_for(256, 8, 256, 64) == 1  # 2,048 programs: 5.2 waves already
+    assert splits_for(128, 8, 288, 64) == 1  # 2.6 waves, but 5 blocks make no splits of 4 or more
+    assert splits_for(2, 8, 16384, 64, sms=78) == 8  # 16 programs -> 128 of one wave of 234
     assert splits_for(1, 8, 400, 64) == 8  # short context: a block a split (7, rounded up), 64 programs
-    assert splits_for(1, 8, 6 * 4 * 64, 64) == 32  # 24 blocks -> 32 splits: 256 programs, one wave of 2 x 132
-    assert splits_for(16, 8, 320, 64) == 1  # 128 programs: 2 splits would fill the wave, too few to pay
+    assert splits_for(1, 8, 6 * 4 * 64, 64) == 32  # 24 blocks -> 32 splits: 256 programs
+    assert splits_for(16, 8, 320, 64) == 1  # 128 programs: 3 splits would fill the wave, too few to pay
     assert splits_for(8, 8, 320, 64) == 4  # 64 programs: 4 splits of 2 blocks (5 blocks)
     assert splits_for(1, 8, 6 * 4 * 64, 64, resident=1) == 16  # one wave of 132: 16, more than 4 blocks allow (6)
-    assert splits_for(1, 8, 100_000, 32) == 64
-    assert splits_for(3, 8, 100_000, 64) == 16  # 24 programs: 22 splits would reach 528; a power of two below
+    assert splits_for(1, 8, 100_000, 32) == 32  # 49 would fill the wave; a power of two below
+    assert splits_for(3, 8, 100_000, 64) == 16  # 24 programs -> 384
     assert splits_for(1, 1, 10 ** 6, 64) == 64  # at most 64
 
 
@@ -191,8 +196,8 @@ def test_metadata_chooses_splits():
     the KV heads and head size from the cache."""
     cpu, cache = torch.device("cpu"), torch.empty(1, 2, 16, 8, 128)
     build = triton_attention.build_triton_metadata
-    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 64
-    assert build([1] * 64, [16384] * 64, [list(range(1024))] * 64, 16, cpu, 4, kv_cache=cache).num_splits == 1
+    assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache).num_splits == 32
+    assert build([1] * 64, [16384] * 64, [list(range(1024))] * 64, 16, cpu, 4, kv_cache=cache).num_splits == 4
     assert build([1], [300], [list(range(19))], 16, cpu, 4, kv_cache=cache).num_splits == 8
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4).num_splits == 1  # no cache: no shapes
     assert build([1], [16384], [list(range(1024))], 16, cpu, 4, kv_cache=cache, num_splits=3).num_splits == 3
@@ -204,7 +209,7 @@ def test_metadata_chooses_splits():
             torch.ones(bs, **i32), torch.zeros(bs, dtype=torch.long), torch.zeros(bs, **i32), 1, 4, 16, cache, False,
             Constants(cache.device)).num_splits
 
-    assert (static(1, 1024), static(2, 1024), static(32, 1024), static(66, 1024), static(1, 8)) == (64, 32, 2, 1, 1)
+    assert (static(1, 1024), static(2, 1024), static(32, 1024), static(66, 1024), static(1, 8)) == (32, 16, 1, 4, 1)
 
 
 @needs_cuda

@@ -20,9 +20,10 @@ except ImportError:  # CPU-only installs: the torch backend is used instead
 
 MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # each split walks at least this many BLOCK_N key blocks
-WAVES = 4  # programs per multiprocessor that keep enough loads in flight to stream the KV at full bandwidth
 MIN_LATENCY_SPLITS = 4  # fewer do not pay for the merge's launch (about two or three blocks' walk)
-RESIDENT = 2  # `_paged_attention` programs a multiprocessor holds at once (96 KB of staged keys and values each)
+MIN_WAVES = 4  # a grid of more programs than one wave: enough waves that the last one's tail costs little
+RESIDENT = 3  # `_paged_attention` programs a multiprocessor holds at once (head size 128: 71,680 bytes of shared
+# memory each since the page numbers are loaded a tile ahead, so K and V get two buffers at three stages)
 
 
 if triton is not None:
@@ -64,19 +65,29 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
 
 def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: int = 132,
                resident: int = RESIDENT) -> int:
-    """Key splits per tile for a step of num_tiles tiles over contexts of up to max_kv keys: the larger of
-    - latency: one block of block_n keys a split (the blocks of max_kv, rounded up to a power of two) while the
-      (tile, KV head, split) programs stay one wave, `resident` a multiprocessor of the GPU's `sms`: a short
-      context's walk is a chain of dependent loads, which splits cut short; none below MIN_LATENCY_SPLITS;
-    - bandwidth: programs up to WAVES a multiprocessor, each split MIN_BLOCKS_PER_SPLIT blocks or more;
-    at most MAX_SPLITS, rounded down to a power of two (each value is a kernel specialisation, compiled once).
-    (H200, 8B shape: batch 16 at 16k keys takes 302 us a layer with 2 splits, 1 wave, and 252 with 4; batch 1
-    at 32k 50 us with 32 splits and 43 with 64: benchmarks/attention_kernel.py. Qwen3-30B-A3B at batch 1, 288
-    keys: 8 splits of one block, 2.92 ms a step against 3.17 unsplit: docs/performance.md session 35.)"""
+    """Key splits per tile for a step of num_tiles tiles over contexts of up to max_kv keys. A wave is `resident`
+    programs on each of the GPU's `sms` multiprocessors; the (tile, KV head, split) programs should be at most one
+    wave or many (MIN_WAVES): a grid of 1.3 waves runs its last 0.3 after the rest, one program a multiprocessor.
+    - Programs of one split fill a wave or more: split further only to reach MIN_WAVES, each split walking
+      MIN_BLOCKS_PER_SPLIT blocks of block_n keys or more.
+    - Fewer: the larger of, each within one wave,
+      - latency: one block a split (the blocks of max_kv, rounded up to a power of two): a short context's walk
+        is a chain of dependent loads, which splits cut short; none below MIN_LATENCY_SPLITS;
+      - bandwidth: each split MIN_BLOCKS_PER_SPLIT blocks or more.
+    At most MAX_SPLITS, rounded down to a power of two (each value is a kernel specialisation, compiled once).
+    (H100, 8B shape, the kernel alone, us a layer at the old rule's choice / this one's: batch 1 at 16k keys 33.2
+    (64 splits, 512 programs: 1.3 waves of 3 x 132) / 30.2 (32), at 32k 60.7 / 52.7, batch 16 at 4k 102.9 (4) /
+    94.9 at one split, batch 64 at 4k 387 (1 split: 512 programs) / 365 (4); docs/performance.md session 60.)"""
     programs = num_tiles * kv_heads
     blocks = -(-max_kv // block_n)
-    latency = min(1 << max(0, blocks - 1).bit_length(), resident * sms // programs)
+    wave = resident * sms
+    if programs >= wave:
+        splits = 1
+        while programs * splits < MIN_WAVES * wave and blocks // (2 * splits) >= MIN_BLOCKS_PER_SPLIT:
+            splits *= 2
+        return min(splits, MAX_SPLITS)
+    latency = min(1 << max(0, blocks - 1).bit_length(), wave // programs)
     latency = latency if latency >= MIN_LATENCY_SPLITS else 1
-    bandwidth = min(blocks // MIN_BLOCKS_PER_SPLIT, WAVES * sms // programs)
+    bandwidth = min(blocks // MIN_BLOCKS_PER_SPLIT, wave // programs)
     fits = min(MAX_SPLITS, max(latency, bandwidth))
     return 1 << (fits.bit_length() - 1) if fits >= 2 else 1
