@@ -132,16 +132,6 @@ def test_pages_loaded_ahead(monkeypatch, num_splits, kind, ahead):
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", list(SPLIT_CASES))
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_heads_first_grid(monkeypatch, num_splits, kind):
-    """The grid launched heads first ((kv heads, tiles, splits)) gives the same attention and merge."""
-    monkeypatch.setattr(triton_attention, "HEADS_FIRST", True)
-    q_lens, ctx_lens, trees = SPLIT_CASES[kind]
-    run_case(q_lens, ctx_lens, 6, 2, 32, torch.float32, trees=trees, num_splits=num_splits, seed=num_splits)
-
-
-@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 16), (2, 1, 192)])
 @pytest.mark.parametrize("skip_first", [False, True])
 def test_splits_shapes_and_skip_first(heads, kv_heads, head_dim, skip_first):

@@ -58,18 +58,11 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, HEADS_FIRST: tl.constexpr,
-        PDL: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr,
     ):
         wait_for_previous(PDL)
-        if HEADS_FIRST:  # grid (kv heads, tiles, splits): a sequence's heads launched side by side
-            kvh = tl.program_id(0)
-            tile = tl.program_id(1)
-            kv_heads = tl.num_programs(0)
-        else:
-            tile = tl.program_id(0)
-            kvh = tl.program_id(1)
-            kv_heads = tl.num_programs(1)
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
         b = tl.load(tile_seq + tile)
         q0 = tl.load(tile_q0 + tile)
         L = tl.load(seq_lens + b)
@@ -145,7 +138,7 @@ if triton is not None:
             tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=valid[:, None] & dmask[None, :])
         else:  # unnormalised; a split that saw no visible key leaves m = -inf, l = 0, acc = 0
-            row = (tok * (kv_heads * GROUP) + head) * NUM_SPLITS + tl.program_id(2)  # [BLOCK_M]
+            row = (tok * (tl.num_programs(1) * GROUP) + head) * NUM_SPLITS + tl.program_id(2)  # [BLOCK_M]
             tl.store(PartM + row, m_i, mask=valid)
             tl.store(PartL + row, l_i, mask=valid)
             tl.store(PartAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=valid[:, None] & dmask[None, :])
@@ -162,7 +155,6 @@ def block_n_for(head_dim: int) -> int:
 
 PAGES_AHEAD = True  # load each tile's page numbers a tile ahead of its keys
 STAGES = None  # num_stages of the launch (None: Triton's default)
-HEADS_FIRST = False  # grid (kv heads, tiles, splits) rather than (tiles, kv heads, splits)
 
 
 def launch_options(head_dim: int) -> dict:
@@ -219,15 +211,12 @@ class TritonMetadata:
             row_max, row_sum = torch.empty(2, tokens, heads, splits, dtype=torch.float32, device=q.device)
         group = heads // kv_heads
         kc, vc = cache[0], cache[1]
-        tiles = self.tile_seq.shape[0]
-        grid = (kv_heads, tiles, splits) if HEADS_FIRST else (tiles, kv_heads, splits)
-        launch_kernel(_paged_attention, grid, q, kc, vc, out, acc, row_max,
+        launch_kernel(_paged_attention, (self.tile_seq.shape[0], kv_heads, splits), q, kc, vc, out, acc, row_max,
                       row_sum, self.block_tables, self.seq_lens, self.q_starts, self.q_lens, self.tree_bits,
                       self.tree_lens, self.tile_seq, self.tile_q0, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
                       out.stride(0), out.stride(1), self.block_tables.stride(0), scale, GROUP=group,
                       GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
                       PAGE=self.page, IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits,
-                      HEADS_FIRST=HEADS_FIRST,
                       **launch_options(head_dim))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
