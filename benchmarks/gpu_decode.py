@@ -252,6 +252,9 @@ def decode_rate(engine, batch: int, context: int, args, arch, gen) -> float:
         elif all_decoding and len(outs) == batch:
             decode_s += time.perf_counter() - t
             decode_tokens += batch
+    if not decode_tokens:
+        raise RuntimeError(f"no step decoded all {batch} requests of {context} tokens at once (the first finished "
+                           f"its {args.gen_len} tokens before the last one's prompt was in): raise --gen-len")
     return decode_tokens / decode_s
 
 
