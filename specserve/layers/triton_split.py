@@ -75,9 +75,10 @@ def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: in
         is a chain of dependent loads, which splits cut short; none below MIN_LATENCY_SPLITS;
       - bandwidth: each split MIN_BLOCKS_PER_SPLIT blocks or more.
     At most MAX_SPLITS, rounded down to a power of two (each value is a kernel specialisation, compiled once).
-    (H100, 8B shape, the kernel alone, us a layer at the old rule's choice / this one's: batch 1 at 16k keys 33.2
-    (64 splits, 512 programs: 1.3 waves of 3 x 132) / 30.2 (32), at 32k 60.7 / 52.7, batch 16 at 4k 102.9 (4) /
-    94.9 at one split, batch 64 at 4k 387 (1 split: 512 programs) / 365 (4); docs/performance.md session 60.)"""
+    (H200, 8B shape, the kernel alone, us a layer at the rule's choice / the old one's, which aimed at 4 programs a
+    multiprocessor: batch 1 at 16k keys 24.6 (32 splits) / 28.1 (64: 512 programs, 1.3 waves of 3 x 132), at 32k
+    40.1 / 50.4, batch 16 at 4k 69.1 (2) / 82.6 (4), at 16k 249.6 / 300.9, batch 64 at 4k 268.7 (4) / 310.3 (1);
+    docs/performance.md session 60.)"""
     programs = num_tiles * kv_heads
     blocks = -(-max_kv // block_n)
     wave = resident * sms
@@ -85,7 +86,7 @@ def splits_for(num_tiles: int, kv_heads: int, max_kv: int, block_n: int, sms: in
         splits = 1
         while programs * splits < MIN_WAVES * wave and blocks // (2 * splits) >= MIN_BLOCKS_PER_SPLIT:
             splits *= 2
-        return min(splits, MAX_SPLITS)
+        return splits
     latency = min(1 << max(0, blocks - 1).bit_length(), wave // programs)
     latency = latency if latency >= MIN_LATENCY_SPLITS else 1
     bandwidth = min(blocks // MIN_BLOCKS_PER_SPLIT, wave // programs)
