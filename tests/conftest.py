@@ -37,6 +37,9 @@ def pytest_addoption(parser):
                      "each kernel's compiles and failures to REPORT (JSON; tests/hopper_compile.py). No output is "
                      "computed: run it with python -O and --assert=plain to switch the tests' checks off; "
                      "test_triton_compile reads REPORT")
+    parser.addoption("--compile-shard", metavar="I/N", default=None,
+                     help="with --compile-for-hopper: run only the I-th of N shares of the tests (dealt case by case "
+                     "in turn), so N processes can compile side by side")
 
 
 def pytest_configure(config):
@@ -47,6 +50,18 @@ def pytest_configure(config):
 
         install(report)
         COMPILE_ONLY["report"] = report
+
+
+def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--compile-shard")
+    if shard is None:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    keep, drop = [], []
+    for turn, item in enumerate(items):
+        (keep if turn % count == index else drop).append(item)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
 
 
 def skip_without_ranks(options: dict) -> None:

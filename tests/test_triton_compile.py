@@ -21,6 +21,7 @@ from .conftest import COMPILE_ONLY, DEVICE, INTERPRET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_moe.py")
+SHARDS = 2  # child processes: CI's machine has two cores
 
 
 def triton_kernels() -> set[str]:
@@ -47,11 +48,11 @@ def _triton():
 @pytest.mark.skipif(_triton() is None or DEVICE["name"] != "cpu" or INTERPRET or COMPILE_ONLY["report"] is not None,
                     reason="a CPU run with Triton installed (on CUDA the kernel tests compile and run them)")
 def test_every_triton_kernel_compiles_for_hopper(tmp_path):
-    children = []  # one child pytest per test file, side by side (the compiles are single-threaded)
-    for i, tests in enumerate(KERNEL_TESTS):
+    children = []  # SHARDS child pytests side by side, each with a share of the tests (compiles are single-threaded)
+    for i in range(SHARDS):
         report = tmp_path / f"compile{i}.json"
         command = [sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--assert=plain",
-                   "--compile-for-hopper", str(report), tests]
+                   "--compile-for-hopper", str(report), "--compile-shard", f"{i}/{SHARDS}", *KERNEL_TESTS]
         children.append((report, subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                   text=True)))
     compiled, failures = set(), []
