@@ -11,6 +11,8 @@ ARCHS = ("llama", "qwen2", "qwen3")
 DEVICE = {"name": "cpu"}
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter: a test-time switch only
 COMPILE_ONLY = {"report": None}  # --compile-for-hopper: kernel launches compile for sm_90 here, nothing runs
+COMPILE_CHECK = {"run": None}  # test_triton_compile's children (hopper_compile.CompileRun), started at collection
+CHECK_TEST = "test_every_triton_kernel_compiles_for_hopper"
 
 
 def kernel_marks() -> tuple:
@@ -50,6 +52,28 @@ def pytest_configure(config):
 
         install(report)
         COMPILE_ONLY["report"] = report
+
+
+def compile_check_runs() -> bool:
+    """Whether test_triton_compile compiles the kernels for Hopper in this run: on a CPU with Triton installed,
+    outside the interpreter and outside its own children (on CUDA the kernel tests compile and run them)."""
+    from specserve.layers.triton_ops import triton
+
+    return triton is not None and DEVICE["name"] == "cpu" and not INTERPRET and COMPILE_ONLY["report"] is None
+
+
+def pytest_collection_finish(session):
+    if (compile_check_runs() and not session.config.option.collectonly
+            and any(item.name == CHECK_TEST for item in session.items)):
+        from .hopper_compile import CompileRun
+
+        COMPILE_CHECK["run"] = CompileRun()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if COMPILE_CHECK["run"] is not None:
+        COMPILE_CHECK["run"].close()
+        COMPILE_CHECK["run"] = None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,17 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_moe.py")
+SHARDS = 2  # child processes: CI's machine has two cores
 
 
 class HopperDriver:
@@ -95,3 +105,44 @@ def install(report: str) -> None:
     JITFunction.__getitem__ = compile_only
     torch.testing.assert_close = lambda *args, **kwargs: None  # outputs are not computed (run with python -O too)
     atexit.register(write)
+
+
+class CompileRun:
+    """The compile check's child pytests: SHARDS of them side by side, each compiling its share of KERNEL_TESTS
+    (`--compile-shard`). They run at the lowest CPU priority (nice 19), so that, started when the suite's tests
+    are collected (conftest), they take only the CPU time the other tests leave idle (servers starting, clients
+    waiting) and leave those tests' timings alone. `results` waits for them; `close` ends any still running."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="hopper-compile-")
+        self.children: list[tuple[str, str, subprocess.Popen]] = []  # (report, log, child)
+        nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+        for i in range(SHARDS):
+            report, log = (os.path.join(self.dir, f"compile{i}.{ext}") for ext in ("json", "log"))
+            command = [*nice, sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--assert=plain",
+                       "--compile-for-hopper", report, "--compile-shard", f"{i}/{SHARDS}", *KERNEL_TESTS]
+            with open(log, "w") as out:
+                child = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+            self.children.append((report, log, child))
+
+    def results(self, timeout: float) -> tuple[set[str], list[dict]]:
+        """The kernels compiled and the compile failures of all children, once they have exited."""
+        compiled, failures = set(), []
+        for report, log, child in self.children:
+            child.wait(timeout=timeout)
+            if not os.path.exists(report):
+                with open(log) as f:
+                    raise AssertionError(f"the child pytest wrote no report:\n{f.read()[-4000:]}")
+            with open(report) as f:
+                got = json.load(f)
+            compiled.update(got["compiled"])
+            failures += got["failures"]
+        return compiled, failures
+
+    def close(self) -> None:
+        for _, _, child in self.children:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
