@@ -26,6 +26,9 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_moe.py")
 SHARDS = 2  # child processes: CI's machine has two cores
+# each child's process group (its ptxas runs included), not a session: a new session is a new scheduler autogroup on
+# Linux, which gets an equal share of the CPU whatever its nice value (Python 3.10 has no process_group: no group)
+GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {}
 
 
 class HopperDriver:
@@ -121,11 +124,8 @@ class CompileRun:
             report, log = (os.path.join(self.dir, f"compile{i}.{ext}") for ext in ("json", "log"))
             command = [*nice, sys.executable, "-O", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--assert=plain",
                        "--compile-for-hopper", report, "--compile-shard", f"{i}/{SHARDS}", *KERNEL_TESTS]
-            # a process group of its own (ptxas runs included), not a session: a new session is a new scheduler
-            # autogroup on Linux, which gets an equal share of the CPU whatever its nice value
-            group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
             with open(log, "w") as out:
-                child = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, **group)
+                child = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, **GROUP)
             self.children.append((report, log, child))
 
     def results(self, timeout: float) -> tuple[set[str], list[dict]]:
@@ -145,9 +145,6 @@ class CompileRun:
     def close(self) -> None:
         for _, _, child in self.children:
             if child.poll() is None:
-                if sys.version_info >= (3, 11):
-                    os.killpg(child.pid, signal.SIGKILL)
-                else:
-                    child.kill()
+                os.killpg(child.pid, signal.SIGKILL) if GROUP else child.kill()
                 child.wait()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -15,7 +15,7 @@ import pkgutil
 import pytest
 
 from .conftest import COMPILE_CHECK, compile_check_runs
-from .hopper_compile import KERNEL_TESTS, CompileRun
+from .hopper_compile import KERNEL_TESTS
 
 
 def triton_kernels() -> set[str]:
@@ -36,10 +36,7 @@ def triton_kernels() -> set[str]:
 @pytest.mark.skipif(not compile_check_runs(),
                     reason="a CPU run with Triton installed (on CUDA the kernel tests compile and run them)")
 def test_every_triton_kernel_compiles_for_hopper():
-    run = COMPILE_CHECK["run"]  # started when the tests were collected (conftest), compiling since
-    if run is None:
-        run = COMPILE_CHECK["run"] = CompileRun()
-    compiled, failures = run.results(timeout=1200)
+    compiled, failures = COMPILE_CHECK["run"].results(timeout=1200)  # started at collection (conftest)
     assert not failures, "kernels that do not compile for sm_90 (the compiler's own output: python -O -m pytest " \
         "--assert=plain --compile-for-hopper report.json <test file>):\n" + "\n\n".join(
             f"{f['kernel']}: {f['error']}\n{f['trace']}" for f in failures)
