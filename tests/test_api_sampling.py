@@ -10,13 +10,14 @@ import os
 
 import pytest
 
-from specserve import SamplingParams
-from specserve.server.formatting import MIN_LOGPROB, json_logprob
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
-
-from .test_server import MODEL, PROMPTS, greedy, llm, model, server  # noqa: F401 (fixtures)
-
+pytest.importorskip("fastapi")  # the server extra (pydantic with it)
 httpx = pytest.importorskip("httpx")
+
+from specserve import SamplingParams  # noqa: E402
+from specserve.server.formatting import MIN_LOGPROB, json_logprob  # noqa: E402
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+
+from .test_server import MODEL, PROMPTS, greedy, llm, model, server  # noqa: E402, F401 (fixtures)
 
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
 

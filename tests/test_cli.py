@@ -89,6 +89,7 @@ def test_runtime_lora_updating_needs_room_for_adapters(model):
 
 
 def test_busy_port_names_the_port_and_the_flag(model):
+    pytest.importorskip("uvicorn")  # without the server extra `serve` says so before it binds
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -184,6 +185,7 @@ def test_queue_and_prefill_split_at_the_step_before_the_first_token():
     """A arrives at an idle engine; B arrives while A decodes and gets its first token one step later: B
     was scheduled when the step before it ended (1.5), not at its arrival (1.2) nor its first token (2.0)."""
     pytest.importorskip("prometheus_client")
+    pytest.importorskip("fastapi")  # the server package's modules import pydantic
     from specserve.engine.outputs import RequestOutput
     from specserve.server.metrics import ServerMetrics
     from specserve.server.streams import RequestTimes
