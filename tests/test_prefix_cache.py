@@ -247,13 +247,11 @@ def test_host_pool_is_off_by_default_on_cpu_and_sized_when_asked(pair):
 def test_stops_inside_accepted_runs_leave_only_kept_tokens_cached(block_size):
     """The shipped pair, always speculating, with max_tokens falling inside accepted runs: a finishing
     request's KV past its last kept token must not enter a cached block (nor the draft's catch-up)."""
-    from specserve import LLM
-
     prompts = [open("specserve/engine/scheduler.py").read()[i:i + 300] for i in range(0, 3000, 300)]
-    # fp32 on every device: in bf16 a prefix computed in another step shape rounds differently and a greedy
-    # near-tie can flip (the H100 at 532629b: one token in 50), which says nothing of the cache
-    plain = LLM(speculative_algorithm="none", device=DEVICE["name"], dtype="float32", enable_prefix_caching=False)
-    spec = LLM(speculative_policy="always", device=DEVICE["name"], dtype="float32", block_size=block_size)
+    # make_llm computes in fp32 on every device: in bf16 a prefix computed in another step shape rounds
+    # differently and a greedy near-tie can flip (on an H100 at 532629b two of ten requests parted from plain)
+    plain = make_llm(None, speculative_algorithm="none", enable_prefix_caching=False)
+    spec = make_llm(None, speculative_policy="always", block_size=block_size)
     for max_tokens in (3, 5, 6, 9, 13):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         want = [o.token_ids for o in plain.generate(prompts, params)]
