@@ -237,8 +237,9 @@ def specserve_part(args, arch, layout, ceil, context: int) -> dict:
 
 
 def release_memory() -> None:
-    """Give an engine's memory back before the next part starts one (the 30B-A3B shape's weights take 61 GB:
-    two engines do not fit on an 80 GB card). The engine holds reference cycles, so collect them first."""
+    """Give a part's memory back before the next part starts an engine (the 30B-A3B shape's weights take 61 GB:
+    two engines do not fit on an 80 GB card). Deleting the names alone left 79 GiB in use on an H100; with the
+    engine closed and a collection, 0.2 GiB."""
     gc.collect()
     torch.cuda.empty_cache()
     print(f"memory in use after the part: {torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
