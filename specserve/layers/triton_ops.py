@@ -90,16 +90,13 @@ if triton is not None:
                         stride_kh, stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr,
                         PDL: tl.constexpr):
-        # every load before any store (a store may alias a later load, so the compiler keeps their order); the
-        # position, slot, cos and sin before the wait (step inputs, written two or more launches back: see
-        # `rope_and_cache`), so one memory round trip after it
+        wait_for_previous(PDL)
+        # every load before any store (a store may alias a later load, so the compiler keeps their order):
+        # two memory round trips, the position's and then cos / sin, where loads after stores took four
         tok = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + tok)
         slot = tl.load(Slots + tok)
         d = tl.arange(0, HALF)[None, :]
-        cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
-        sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
-        wait_for_previous(PDL)
         h = tl.arange(0, BLOCK_H)[:, None]
         qmask = h < heads
         qp = Q + tok * stride_qt + h * stride_qh
@@ -112,6 +109,8 @@ if triton is not None:
         kb = tl.load(kp + HALF + d, mask=kmask, other=0.0).to(tl.float32)
         vd = tl.arange(0, 2 * HALF)[None, :]
         v = tl.load(V + tok * stride_vt + kh * stride_vh + vd, mask=kmask, other=0.0)
+        cos = tl.load(Cos + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
+        sin = tl.load(Sin + pos * 2 * HALF + d).to(Q.dtype.element_ty).to(tl.float32)
         if NORM:
             qa, qb = _normed(qa, qb, QW, eps, HALF, Q.dtype.element_ty)
             ka, kb = _normed(ka, kb, KW, eps, HALF, K.dtype.element_ty)
@@ -257,10 +256,7 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
                    qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> None:
     """Rotate q in place and write rotated k and v to their cache slots, in one launch; with qk_norm (q's
     and k's RMSNorm weights [D], eps) each head of q and k is normed first (Qwen3).
-    q [T, H, D], k and v [T, Hkv, D], cache [2, num_slots, Hkv, D], slots [T]. The kernel reads positions, slots,
-    cos and sin before it waits for the kernel ahead (programmatic dependent launch), so they must not be that
-    kernel's output; step inputs and anything written two or more launches back are safe (the kernel ahead
-    launched this one only after its own wait)."""
+    q [T, H, D], k and v [T, Hkv, D], cache [2, num_slots, Hkv, D], slots [T]."""
     tokens, heads, head_dim = q.shape
     if not tokens:
         return
