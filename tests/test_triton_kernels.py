@@ -414,6 +414,21 @@ def test_gemv_is_the_linear_and_rows_do_not_change_each_other(dtype, n, k):
 
 
 @needs_kernels
+def test_gemv_takes_its_one_row_launches_as_plain_tuples(monkeypatch):
+    """`benchmarks/recapture.py` sets module launches to tuples (`triton_gemv.NARROW_ONE_ROW=(4,2048,4,3)`): the
+    default launch may be one, as a given launch may."""
+    import torch.nn.functional as F
+
+    from specserve.layers import triton_gemv
+
+    dev = torch.device(DEVICE["name"])
+    w, x = torch.randn(16, 96, device=dev), torch.randn(1, 96, device=dev)
+    for name in ("ONE_ROW", "NARROW_ONE_ROW"):
+        monkeypatch.setattr(triton_gemv, name, (4, 64, 4, 3))
+    torch.testing.assert_close(triton_gemv.gemv(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
 @pytest.mark.parametrize("m,launch", [(1, (8, 32, 4, 2)), (3, (8, 32, 4, 2)), (4, (16, 32, 4, 2, True))])
 def test_gemv_fuses_the_norm_the_gate_and_the_residual_as_the_kernels_apart_round(m, launch):
     """A decoder layer's products fused with what surrounds them: the residual added after a product (its sum

@@ -58,7 +58,8 @@ def one_row_launch(n: int, device) -> Launch:
     tiles. On the H200 that takes the Qwen3-30B-A3B batch-1 graph from 2.71 to 2.65 ms (its o and router products:
     o 7.1 -> 6.5 us), where every 8B product, each with two or more programs a multiprocessor, is slower with it
     (4.03 against 3.93 ms; docs/performance.md session 53)."""
-    return ONE_ROW if triton.cdiv(n, ONE_ROW.block_n) >= 2 * sm_count(device) else NARROW_ONE_ROW
+    one, narrow = Launch(*ONE_ROW), Launch(*NARROW_ONE_ROW)  # plain tuples too, as benchmarks/recapture.py sets them
+    return one if triton.cdiv(n, one.block_n) >= 2 * sm_count(device) else narrow
 
 
 class RopeWrite(NamedTuple):
