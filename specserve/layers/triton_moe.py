@@ -36,6 +36,7 @@ except ImportError:
 
 
 DIRECT_TOKENS = 2  # at most this many tokens: the direct kernels, no layout by expert
+SUM_BLOCK = 256  # most columns a `sum_experts` program sums
 
 
 def available() -> bool:
@@ -242,7 +243,7 @@ def sum_experts(part: torch.Tensor, top_k: int, dtype: torch.dtype, residual: to
     rows, hidden = part.shape
     n = rows // top_k
     out = torch.empty(n, hidden, dtype=dtype, device=part.device)  # [n, hidden]
-    block = min(1024, triton.next_power_of_2(hidden))
+    block = min(SUM_BLOCK, triton.next_power_of_2(hidden))
     programs = triton.cdiv(hidden, block)
     parts = torch.empty(n, programs, dtype=torch.float32, device=part.device) if residual is not None else None
     scaled = torch.empty_like(out) if scale is not None else None
