@@ -356,10 +356,14 @@ def test_rope_and_cache_write(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-def test_rope_and_cache_norms_q_and_k_per_head(dtype):
+@pytest.mark.parametrize("per", [0, 1, 3])
+def test_rope_and_cache_norms_q_and_k_per_head(monkeypatch, dtype, per):
     """Qwen3's q/k norm fused in: each head of q and k RMS-normed (RMSNorm's roundings), then rotated, as
-    RMSNorm on [T, heads, D] then rotary do (4 heads of 64, 2 kv heads; q and k scaled off unit size)."""
+    RMSNorm on [T, heads, D] then rotary do (4 heads of 64, 2 kv heads; q and k scaled off unit size), with
+    every head in one program or `per` q heads a program (1: programs without a kv head; 3: groups of 3 and 1)."""
     from specserve.layers import triton_ops
+
+    monkeypatch.setattr(triton_ops, "ROPE_HEADS", per)
     from specserve.layers.norm import RMSNorm
     from specserve.layers.rotary import RotaryEmbedding
 

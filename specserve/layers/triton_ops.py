@@ -18,6 +18,8 @@ try:
 except ImportError:
     triton = None
 
+ROPE_HEADS = 0  # q heads a `rope_and_cache` program rotates (with its share of the kv heads); 0: every head
+
 
 def use_triton(x: torch.Tensor) -> bool:
     """CUDA inference only: the kernels have no backward, so training keeps the PyTorch path."""
@@ -87,7 +89,7 @@ if triton is not None:
 
     @triton.jit
     def _rope_and_cache(Q, K, V, KC, VC, Cos, Sin, Pos, Slots, QW, KW, eps, stride_qt, stride_qh, stride_kt,
-                        stride_kh, stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads,
+                        stride_kh, stride_vt, stride_vh, stride_ct, stride_ch, heads, kv_heads, q_per, kv_per,
                         HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, NORM: tl.constexpr,
                         PDL: tl.constexpr):
         wait_for_previous(PDL)
@@ -97,13 +99,14 @@ if triton is not None:
         pos = tl.load(Pos + tok)
         slot = tl.load(Slots + tok)
         d = tl.arange(0, HALF)[None, :]
-        h = tl.arange(0, BLOCK_H)[:, None]
-        qmask = h < heads
+        group = tl.program_id(1)  # q heads [group * q_per, + q_per) and kv heads [group * kv_per, + kv_per)
+        h = group * q_per + tl.arange(0, BLOCK_H)[:, None]
+        qmask = (h < heads) & (h < (group + 1) * q_per)
         qp = Q + tok * stride_qt + h * stride_qh
         qa = tl.load(qp + d, mask=qmask, other=0.0).to(tl.float32)
         qb = tl.load(qp + HALF + d, mask=qmask, other=0.0).to(tl.float32)
-        kh = tl.arange(0, BLOCK_KH)[:, None]
-        kmask = kh < kv_heads
+        kh = group * kv_per + tl.arange(0, BLOCK_KH)[:, None]
+        kmask = (kh < kv_heads) & (kh < (group + 1) * kv_per)
         kp = K + tok * stride_kt + kh * stride_kh
         ka = tl.load(kp + d, mask=kmask, other=0.0).to(tl.float32)
         kb = tl.load(kp + HALF + d, mask=kmask, other=0.0).to(tl.float32)
@@ -262,10 +265,14 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         return
     kc, vc = cache[0], cache[1]
     qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without NORM
-    launch_kernel(_rope_and_cache, (tokens,), q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps, q.stride(0),
-                  q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), heads,
-                  k.shape[1], HALF=head_dim // 2, BLOCK_H=_pow2(heads), BLOCK_KH=_pow2(k.shape[1]),
-                  NORM=qk_norm is not None, num_warps=4)
+    kv_heads = k.shape[1]
+    q_per = min(ROPE_HEADS or heads, heads) if heads else 0
+    groups = max(1, triton.cdiv(heads, q_per) if q_per else 1)
+    kv_per = triton.cdiv(kv_heads, groups)
+    launch_kernel(_rope_and_cache, (tokens, groups), q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps,
+                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
+                  kc.stride(1), heads, kv_heads, q_per, kv_per, HALF=head_dim // 2, BLOCK_H=_pow2(max(q_per, 1)),
+                  BLOCK_KH=_pow2(kv_per), NORM=qk_norm is not None, num_warps=4)
 
 
 def _pow2(n: int) -> int:
