@@ -18,7 +18,7 @@ try:
 except ImportError:
     triton = None
 
-ROPE_HEADS = 0  # q heads a `rope_and_cache` program rotates (with its share of the kv heads); 0: every head
+ROPE_HEADS = 4  # q heads a `rope_and_cache` program rotates (with its share of the kv heads); 0: every head
 
 
 def use_triton(x: torch.Tensor) -> bool:
