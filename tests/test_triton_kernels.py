@@ -362,10 +362,10 @@ def test_rope_and_cache_norms_q_and_k_per_head(monkeypatch, dtype, per):
     RMSNorm on [T, heads, D] then rotary do (4 heads of 64, 2 kv heads; q and k scaled off unit size), with
     every head in one program or `per` q heads a program (1: programs without a kv head; 3: groups of 3 and 1)."""
     from specserve.layers import triton_ops
-
-    monkeypatch.setattr(triton_ops, "ROPE_HEADS", per)
     from specserve.layers.norm import RMSNorm
     from specserve.layers.rotary import RotaryEmbedding
+
+    monkeypatch.setattr(triton_ops, "ROPE_HEADS", per)
 
     dev, tol = torch.device(DEVICE["name"]), (1e-5 if dtype == torch.float32 else 1e-2)
     rot = RotaryEmbedding(64, 512, 1000000.0, None).to(dev)

@@ -266,8 +266,8 @@ def rope_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     kc, vc = cache[0], cache[1]
     qw, kw, eps = qk_norm if qk_norm is not None else (q, k, 0.0)  # unread without NORM
     kv_heads = k.shape[1]
-    q_per = min(ROPE_HEADS or heads, heads) if heads else 0
-    groups = max(1, triton.cdiv(heads, q_per) if q_per else 1)
+    q_per = min(ROPE_HEADS or heads, heads)  # 0 only without q heads (`store_kv`'s keys)
+    groups = triton.cdiv(heads, q_per) if q_per else 1
     kv_per = triton.cdiv(kv_heads, groups)
     launch_kernel(_rope_and_cache, (tokens, groups), q, k, v, kc, vc, cos, sin, positions, slots, qw, kw, eps,
                   q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0),
