@@ -58,16 +58,22 @@ if triton is not None:
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr,
-        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, PDL: tl.constexpr,
+        SKIP_FIRST: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGES_AHEAD: tl.constexpr, UNIFORM_Q: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         wait_for_previous(PDL)
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = tl.load(tile_seq + tile)
-        q0 = tl.load(tile_q0 + tile)
+        if UNIFORM_Q:  # tile b is sequence b, whose queries start at b * UNIFORM_Q: no tile loads ahead of the rest
+            b = tile
+            q0 = 0
+            qs = tile * UNIFORM_Q
+        else:
+            b = tl.load(tile_seq + tile)
+            q0 = tl.load(tile_q0 + tile)
+            qs = tl.load(q_starts + b)
         L = tl.load(seq_lens + b)
         qn = tl.load(q_lens + b)
-        qs = tl.load(q_starts + b)
         tree_start = L - tl.load(tree_lens + b)
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
         rows = tl.arange(0, BLOCK_M)
@@ -154,6 +160,7 @@ def block_n_for(head_dim: int) -> int:
 
 
 PAGES_AHEAD = True  # load each tile's page numbers a tile ahead of its keys
+UNIFORM_TILES = True  # steps whose sequences have one tile each (decode, verify) index tiles without loading them
 STAGES = None  # num_stages of the launch (None: Triton's default)
 
 
@@ -187,6 +194,7 @@ class TritonMetadata:
     page: int
     skip_first_key: bool = False  # key 0 of every sequence hidden
     num_splits: int = 1  # key splits per tile (triton_split.splits_for): 1 = one program walks the whole context
+    uniform_q: int = 0  # q > 0: every sequence has q query slots and one tile (tile_seq = arange, q_starts = b * q)
     kv_cache: Optional[torch.Tensor] = None  # [layers, 2, slots, kv_heads, head_dim]
     fuses_kv_write: ClassVar[bool] = True  # the model may write rotated keys and values itself (rope_and_cache)
 
@@ -217,7 +225,7 @@ class TritonMetadata:
                       out.stride(0), out.stride(1), self.block_tables.stride(0), scale, GROUP=group,
                       GROUP_PAD=_pow2(group), BLOCK_Q=self.block_q, HEAD_DIM=head_dim, BLOCK_D=max(16, _pow2(head_dim)),
                       PAGE=self.page, IEEE=q.dtype == torch.float32, SKIP_FIRST=self.skip_first_key, NUM_SPLITS=splits,
-                      **launch_options(head_dim))
+                      UNIFORM_Q=self.uniform_q if UNIFORM_TILES else 0, **launch_options(head_dim))
         return out if splits == 1 else combine_splits(acc, row_max, row_sum, out)
 
 
@@ -310,6 +318,7 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
         return to_device(values, dtype, device)
 
     slots = new_token_slots(q_lens, seq_lens, block_tables, block_size)
+    uniform = q_lens[0] if len(set(q_lens)) == 1 and q_lens[0] <= block_q else 0
     if num_splits is None:
         num_splits = 1 if kv_cache is None else auto_splits(len(tile_seq), max(seq_lens), kv_cache, device)
     return TritonMetadata(slot_mapping=t(slots, torch.long), block_tables=t(padded_tables(block_tables)),
@@ -317,7 +326,7 @@ def build_triton_metadata(q_lens: list[int], seq_lens: list[int], block_tables: 
                           tree_bits=tree_bits(tree_masks or [None] * batch, q_lens, device), tree_lens=t(tree_lens),
                           tile_seq=t(tile_seq),
                           tile_q0=t(tile_q0), block_q=block_q, page=block_size, kv_cache=kv_cache,
-                          num_splits=num_splits)
+                          num_splits=num_splits, uniform_q=uniform)
 
 
 def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -330,6 +339,7 @@ def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
     num_splits: key splits per tile; by default `auto_splits` at the longest context the block tables can hold
     (the kernel sizes each split's share from the live length, so shorter replays stay correct)."""
     bs, dev = seq_lens.shape[0], seq_lens.device
+    uniform = 0 if tiles is not None else q
     if tiles is not None:
         q_starts, tile_seq, tile_q0, block_q = tiles
     else:
@@ -340,4 +350,4 @@ def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
                           q_lens=q_lens, tree_bits=tree_bits, tree_lens=tree_lens, tile_seq=tile_seq, tile_q0=tile_q0,
                           block_q=block_q, page=page, skip_first_key=skip_first_key, kv_cache=kv_cache,
-                          num_splits=num_splits)
+                          num_splits=num_splits, uniform_q=uniform)

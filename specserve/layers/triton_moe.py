@@ -37,6 +37,10 @@ except ImportError:
 
 DIRECT_TOKENS = 2  # at most this many tokens: the direct kernels, no layout by expert
 SUM_BLOCK = 256  # most columns a `sum_experts` program sums
+# L2 policy of the experts' weight loads: "evict_first" marks their lines to go first, so a layer's 75 MB of
+# streamed experts (Qwen3-30B-A3B, one token) leave the small data every layer reads again (positions, block
+# tables, keys and values, norm weights) in L2, as `triton_gemv`'s weight loads already do; "" for the default
+WEIGHT_EVICTION = "evict_first"
 
 
 def available() -> bool:
@@ -76,7 +80,7 @@ if triton is not None:
     def _expert_gemm(A, W, Out, Scale, sorted_ids, block_expert, n_assign, num_experts, N, K,
                      stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om,
                      ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         # Out[i, cols] for the assignments i of one block of expert e, from row i // ROWS_PER_A of A:
         # GATED: silu(A @ W[e, :N]^T) * (A @ W[e, N:2N]^T); else Scale[i] * (A @ W[e]^T)
@@ -96,9 +100,10 @@ if triton is not None:
             kmask = ks < K - k
             a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
             wmask = kmask[:, None] & cmask[None, :]
-            acc = tl.dot(a, tl.load(w_ptrs, mask=wmask, other=0.0), acc, input_precision=PRECISION)
+            w = tl.load(w_ptrs, mask=wmask, other=0.0, eviction_policy=EVICT)  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATED:
-                up = tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0)  # [BLOCK_K, BLOCK_N]
+                up = tl.load(w_ptrs + N * stride_wn, mask=wmask, other=0.0, eviction_policy=EVICT)  # [BLOCK_K, BLOCK_N]
                 acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
@@ -141,7 +146,7 @@ if triton is not None:
     @triton.jit
     def _direct_up(X, W13, Experts, Act, Parts, inter, hidden, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
                    stride_am, num_parts, eps, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   RMS: tl.constexpr, PARTS_PAD: tl.constexpr, PDL: tl.constexpr):
+                   RMS: tl.constexpr, PARTS_PAD: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         # Act[a, cols] = silu(x[t] @ W13[e, cols]^T) * (x[t] @ W13[e, inter + cols]^T) for assignment a = t * TOP_K + j;
         # RMS: both products divided by the rms of row t, its sum of squares over hidden the sum of Parts[t]
@@ -161,8 +166,10 @@ if triton is not None:
             kmask = ks < hidden - k
             x = tl.load(x_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
             wmask = nmask[:, None] & kmask[None, :]
-            gate += tl.sum(tl.load(w_ptrs, mask=wmask, other=0.0).to(tl.float32) * x, 1)
-            up += tl.sum(tl.load(w_ptrs + inter * stride_wn, mask=wmask, other=0.0).to(tl.float32) * x, 1)
+            w_gate = tl.load(w_ptrs, mask=wmask, other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
+            w_up = tl.load(w_ptrs + inter * stride_wn, mask=wmask, other=0.0, eviction_policy=EVICT)
+            gate += tl.sum(w_gate.to(tl.float32) * x, 1)
+            up += tl.sum(w_up.to(tl.float32) * x, 1)
             x_ptrs += BLOCK_K * stride_xk
             w_ptrs += BLOCK_K * stride_wk
         let_next_launch(PDL)
@@ -177,7 +184,7 @@ if triton is not None:
 
     @triton.jit
     def _direct_down(Act, W2, Experts, Weights, Part, hidden, inter, stride_am, stride_we, stride_wn, stride_wk,
-                     stride_pm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     stride_pm, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         # Part[a, cols] = Weights[a] * (Act[a] @ W2[e, cols]^T) for assignment a, e = Experts[a], in fp32
         a = tl.program_id(0)
@@ -191,7 +198,7 @@ if triton is not None:
         for k in range(0, inter, BLOCK_K):
             kmask = ks < inter - k
             act = tl.load(act_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy=EVICT).to(tl.float32)
             acc += tl.sum(w * act, 1)
             act_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
@@ -291,12 +298,12 @@ def _direct(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     launch_kernel(_direct_up, (n * top_k, triton.cdiv(inter, size)), x, w13, flat_experts, act, parts, inter, hidden,
                   x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), num_parts, eps,
                   TOP_K=top_k, BLOCK_N=size, BLOCK_K=up[1], RMS=rms is not None,
-                  PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=up[2])
+                  PARTS_PAD=triton.next_power_of_2(num_parts), EVICT=WEIGHT_EVICTION, num_warps=up[2])
     part = torch.empty(n * top_k, hidden, dtype=torch.float32, device=x.device)  # [n * top_k, hidden]
     size = down[0] or block_n(n * top_k * hidden, count)
     launch_kernel(_direct_down, (n * top_k, triton.cdiv(hidden, size)), act, w2, flat_experts, routing, part, hidden,
                   inter, act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), part.stride(0), BLOCK_N=size,
-                  BLOCK_K=down[1], num_warps=down[2])
+                  BLOCK_K=down[1], EVICT=WEIGHT_EVICTION, num_warps=down[2])
     return sum_experts(part, top_k, x.dtype, residual, scale)  # [n, hidden] (with residual: and the next norm's)
 
 
@@ -363,12 +370,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     launch_kernel(_expert_gemm, (block_expert.shape[0], triton.cdiv(inter, block_n)), x, w13, act, scale, sorted_ids,
                   block_expert, n_assign, num_experts, inter, hidden, x.stride(0), x.stride(1), w13.stride(0),
                   w13.stride(1), w13.stride(2), act.stride(0), ROWS_PER_A=top_k, GATED=True, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+                  BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, EVICT=WEIGHT_EVICTION,
+                  num_warps=4)
     y = torch.empty(n_assign, hidden, dtype=x.dtype, device=x.device)  # [n * top_k, hidden]
     launch_kernel(_expert_gemm, (block_expert.shape[0], triton.cdiv(hidden, block_n)), act, w2, y, scale, sorted_ids,
                   block_expert, n_assign, num_experts, hidden, inter, act.stride(0), act.stride(1), w2.stride(0),
                   w2.stride(1), w2.stride(2), y.stride(0), ROWS_PER_A=1, GATED=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_K=block_k, PRECISION=precision, num_warps=4)
+                  BLOCK_K=block_k, PRECISION=precision, EVICT=WEIGHT_EVICTION, num_warps=4)
     return sum_experts(y, top_k, x.dtype)
 
 
