@@ -20,6 +20,8 @@ from .triton_ops import use_triton
 
 # Can a CUDA graph hold the experts? On CUDA they run in the Triton kernels, which read nothing on the host.
 GRAPH_SAFE = triton_moe.available()
+# L2 policy of the router's weight loads at a few tokens (`triton_gemv.gemv`'s evict)
+ROUTER_EVICTION = "evict_first"
 
 
 class Experts(nn.Module):
@@ -121,7 +123,8 @@ class SparseMoeBlock(nn.Module):
         the router's product with the norm fused (`triton_gemv.gemv`), `triton_moe.route`, then the experts
         with the norm, the sum, the residual add and the next norm's inputs fused (`triton_moe.direct_fused`):
         five launches where the layered path, with the norms before and after, takes seven."""
-        logits = triton_gemv.gemv(scaled, self.gate.weight, launch=launch["o"], rms=rms)  # [n, experts]
+        logits = triton_gemv.gemv(scaled, self.gate.weight, launch=launch["o"], rms=rms,
+                                  evict=ROUTER_EVICTION)  # [n, experts]
         weights, experts = triton_moe.route(logits, self.top_k, self.norm_topk_prob, scaled.dtype)
         return triton_moe.direct_fused(scaled, rms, self.experts.w13, self.experts.w2, weights, experts, stream,
                                        next_norm)

@@ -83,7 +83,7 @@ if triton is not None:
               RMS: tl.constexpr, RESIDUAL: tl.constexpr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
               PAIRED: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PARTS_PAD: tl.constexpr,
-              PDL: tl.constexpr):
+              EVICT: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         # Y = x @ W.T, then in order: RMS: / rms of each row, its sum of squares the sum of Parts [M, num_parts]
         # over K; + Bias; RESIDUAL: + R, PartsOut [M, programs] getting each program's sum of squares of its
@@ -121,7 +121,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             kmask = ks < K - k
-            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0, eviction_policy=EVICT)
             x = tl.load(x_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
             if DOT:
                 acc = tl.dot(x, tl.trans(w), acc)
@@ -177,7 +177,7 @@ NONE, ROPE, GATE = 0, 1, 2  # what a paired product does with its pairs (see `ge
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          launch: tuple | None = None, rms: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-         rope: RopeWrite | None = None, gate: bool = False):
+         rope: RopeWrite | None = None, gate: bool = False, evict: str = "evict_first"):
     """x [..., K] @ weight [N, K].T (+ bias) in x's dtype, fp32 sums; x of at most MAX_ROWS rows (MAX_DOT_ROWS
     with a tensor-core launch), both with contiguous K. launch: a `Launch` or its fields as a tuple
     (benchmarks/gemv_kernel.py compares them); None: `one_row_launch` of the weight's shape.
@@ -191,7 +191,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
       with scale [N] that sum times scale, else None): the next norm's inputs;
     - rope: the product is a q/k/v projection whose q and k come out rotated and whose k and v are written
       to the cache (`RopeWrite`; the launch's block_n / 2 must divide head_dim / 2);
-    - gate: weight is gate and up projections stacked [2I, K]; returns silu(x @ gate.T) * (x @ up.T) [..., I]."""
+    - gate: weight is gate and up projections stacked [2I, K]; returns silu(x @ gate.T) * (x @ up.T) [..., I].
+    evict: the L2 policy of the weight's loads: "evict_first" for weights streamed once a step, "" (the default
+    policy) for a small weight that could stay in L2 from one step to the next."""
     n, k = weight.shape
     launch = Launch(*launch) if launch is not None else one_row_launch(n, weight.device)
     launch = launch._replace(block_k=min(launch.block_k, max(16, triton.next_power_of_2(k))))  # no tile wider than K
@@ -223,7 +225,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                       SCALE=scale is not None, HAS_BIAS=bias is not None,
                       PAIRED=ROPE if rope is not None else GATE if gate else NONE, DOT=launch.dot, HALF=half,
                       BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.stages,
-                      PARTS_PAD=triton.next_power_of_2(num_parts), num_warps=launch.warps)
+                      PARTS_PAD=triton.next_power_of_2(num_parts), EVICT=evict, num_warps=launch.warps)
     y = y.reshape(*x.shape[:-1], y.shape[1])
     if residual is None:
         return y
