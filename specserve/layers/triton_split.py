@@ -22,6 +22,7 @@ MAX_SPLITS = 64
 MIN_BLOCKS_PER_SPLIT = 4  # each split walks at least this many BLOCK_N key blocks
 MIN_LATENCY_SPLITS = 4  # fewer do not pay for the merge's launch (about two or three blocks' walk)
 MIN_WAVES = 4  # a grid of more programs than one wave: enough waves that the last one's tail costs little
+COMBINE_WARPS = 4  # num_warps of `_combine_splits`
 RESIDENT = 3  # `_paged_attention` programs a multiprocessor holds at once (head size 128: 71,680 bytes of shared
 # memory each since the page numbers are loaded a tile ahead, so K and V get two buffers at three stages)
 
@@ -59,7 +60,7 @@ def combine_splits(acc: torch.Tensor, row_max: torch.Tensor, row_sum: torch.Tens
         return out
     launch_kernel(_combine_splits, (tokens, heads), acc, row_max, row_sum, out, out.stride(0), out.stride(1),
                   NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=4)
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), num_warps=COMBINE_WARPS)
     return out
 
 
