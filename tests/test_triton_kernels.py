@@ -132,6 +132,23 @@ def test_pages_loaded_ahead(monkeypatch, num_splits, kind, ahead):
 
 
 @needs_kernels
+@pytest.mark.parametrize("uniform", [True, False])
+@pytest.mark.parametrize("kind", list(SPLIT_CASES))
+def test_tiles_indexed_without_loads(monkeypatch, kind, uniform):
+    """Steps whose sequences all have q queries and one tile (decode, a chain's verify) index their tiles and
+    first tokens from the program id (UNIFORM_TILES, the default) or load them: the same attention."""
+    monkeypatch.setattr(triton_attention, "UNIFORM_TILES", uniform)
+    q_lens, ctx_lens, trees = SPLIT_CASES[kind]
+    device = torch.device(DEVICE["name"])
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    tables, _ = random_tables(seq_lens, 16, random.Random(0))
+    meta = triton_attention.build_triton_metadata(q_lens, seq_lens, tables, 16, device, 3)
+    assert meta.uniform_q == {"decode": 1, "chain": 4}.get(kind, 0)
+    for num_splits in (1, 3):
+        run_case(q_lens, ctx_lens, 6, 2, 32, torch.float32, trees=trees, num_splits=num_splits, seed=num_splits)
+
+
+@needs_kernels
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 24), (8, 2, 16), (2, 1, 192)])
 @pytest.mark.parametrize("skip_first", [False, True])
 def test_splits_shapes_and_skip_first(heads, kv_heads, head_dim, skip_first):
