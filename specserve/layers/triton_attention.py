@@ -339,12 +339,13 @@ def static_triton_metadata(slot_mapping: torch.Tensor, block_tables: torch.Tenso
     num_splits: key splits per tile; by default `auto_splits` at the longest context the block tables can hold
     (the kernel sizes each split's share from the live length, so shorter replays stay correct)."""
     bs, dev = seq_lens.shape[0], seq_lens.device
-    uniform = 0 if tiles is not None else q
     if tiles is not None:
         q_starts, tile_seq, tile_q0, block_q = tiles
-    else:
+        uniform = 0
+    else:  # one tile a sequence: the kernel indexes them without these tensors (uniform_q)
         q_starts, tile_seq = constants.arange(0, bs * q, q, torch.int32), constants.arange(bs, dtype=torch.int32)
         tile_q0, block_q = constants.full((bs,), 0, torch.int32), block_q_for(q, group)
+        uniform = q
     if num_splits is None:
         num_splits = auto_splits(tile_seq.shape[0], block_tables.shape[1] * page, kv_cache, dev)
     return TritonMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens, q_starts=q_starts,
