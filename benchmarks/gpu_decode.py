@@ -279,10 +279,10 @@ def set_context(graphs, runner, batch: int, q: int, context: int) -> None:
     graphs.slots[:batch * q].fill_(runner.scratch_slot)
 
 
-def replay_ms(runner, batch: int, context: int) -> float:
+def replay_ms(runner, batch: int, context: int, reps: int = 20) -> float:
     """Milliseconds a replay of the engine's (batch, 1) decode graph at `context` keys a row takes."""
     set_context(runner.graphs, runner, batch, 1, context)
-    return time_events(runner.graphs.graphs[(batch, 1)].replay, 20) * 1e3
+    return time_events(runner.graphs.graphs[(batch, 1)].replay, reps) * 1e3
 
 
 def profile(runner, batch: int, context: int, replay: float) -> dict:

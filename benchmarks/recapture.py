@@ -81,13 +81,11 @@ def main() -> None:
             cublaslt.forget()  # products tuned afresh under this variant's settings
             runner.graphs.capture()
             for batch in args.batches:
-                gpu_decode.set_context(runner.graphs, runner, batch, 1, args.context + 16)
-                replay = gpu_decode.time_events(runner.graphs.graphs[(batch, 1)].replay, 50)
+                replay = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
                 rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
-                gpu_decode.set_context(runner.graphs, runner, batch, 1, args.context + 16)
-                after = gpu_decode.time_events(runner.graphs.graphs[(batch, 1)].replay, 50)
-                row = {"round": round_, "variant": text, "batch": batch, "replay_ms": replay * 1e3,
-                       "replay_after_decode_ms": after * 1e3, "tokens_per_s": rate}
+                after = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
+                row = {"round": round_, "variant": text, "batch": batch, "replay_ms": replay,
+                       "replay_after_decode_ms": after, "tokens_per_s": rate}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             with open(args.out, "w") as f:

@@ -41,8 +41,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "config": args.config, "rows": []}
 
     def replay(label: str, decode: int) -> None:
-        gpu_decode.set_context(graphs, engine.runner, 1, 1, args.context + 16)
-        ms = gpu_decode.time_events(graphs.graphs[(1, 1)].replay, 50) * 1e3
+        ms = gpu_decode.replay_ms(engine.runner, 1, args.context + 16, reps=50)
         row = {"decode": decode, "inputs": label, "token": graphs.ids[0].item(), "position": graphs.positions[0].item(),
                "replay_ms": ms}
         result["rows"].append(row)
