@@ -39,14 +39,16 @@ from specserve.layers import cublaslt  # noqa: E402
 
 
 def settings(variant: str) -> list[tuple[object, str, object]]:
-    """'module.NAME=value;...' -> [(module, NAME, value)], checked against the modules' names."""
+    """'module.NAME=value;...' -> [(module, NAME, value)], checked against the modules' names; a module is one of
+    specserve.layers (`triton_moe`) or a path under specserve (`engine.cuda_graph`)."""
     out = []
     for item in variant.split(";"):
         target, value = item.split("=", 1)
         module_name, name = target.strip().rsplit(".", 1)
-        module = importlib.import_module(f"specserve.layers.{module_name}")
+        path = f"specserve.{module_name}" if "." in module_name else f"specserve.layers.{module_name}"
+        module = importlib.import_module(path)
         if not hasattr(module, name):
-            raise SystemExit(f"specserve.layers.{module_name} has no {name}")
+            raise SystemExit(f"{path} has no {name}")
         out.append((module, name, ast.literal_eval(value.strip())))
     return out
 

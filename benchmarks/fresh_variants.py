@@ -1,0 +1,90 @@
+"""Settings that take effect only when an engine starts (which graphs it captures, in what order and pool), each
+variant in a fresh process, in rounds: the (batch, 1) decode graph's replay time before and after real decodes,
+and the decode rate, as `recapture.py` reports them for settings a recapture can change.
+
+    python benchmarks/fresh_variants.py --config benchmarks/configs/qwen3-30b-a3b --batches 1 --rounds 2 \
+        --variants "engine.cuda_graph.MIXED_TOKENS=()" "engine.cuda_graph.MIXED_CAPTURE='after'" \
+        "engine.cuda_graph.MIXED_CAPTURE='before'" "engine.cuda_graph.MIXED_CAPTURE='apart'"
+
+A variant is `recapture.py`'s: `module.NAME=value` settings separated by ";", a module of specserve.layers or a
+path under specserve. Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that
+also captured a 512-token mixed graph; recapture.py turns mixed graphs off, so it cannot see that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def child(args) -> None:
+    """One engine under one variant: one JSON row per batch on stdout's last line."""
+    import gpu_decode
+    import recapture
+    import torch
+
+    for module, name, value in recapture.settings(args.child):
+        setattr(module, name, value)
+    arch = gpu_decode.ArchConfig.from_dict(gpu_decode.read_config(args.config))
+    engine_args = SimpleNamespace(config=args.config, batches=args.batches, gen_len=args.gen_len,
+                                  max_model_len=None, max_kv_tokens=300_000)
+    llm = gpu_decode.start_engine(engine_args, args.context)
+    engine, runner = llm.engine, llm.engine.runner
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in args.batches:
+        row = {"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(runner.graphs.graphs),
+               "replay_ms": gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50), "decodes": []}
+        for _ in range(args.decodes):
+            rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
+            after = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
+            row["decodes"].append({"tokens_per_s": rate, "replay_after_decode_ms": after})
+        rows.append(row)
+    engine.close()
+    print(json.dumps(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
+    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--decodes", type=int, default=2, help="real decodes a batch, each followed by a replay")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--out", default="fresh_variants.json")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        return child(args)
+    import recapture
+
+    for text in args.variants:
+        recapture.settings(text)  # a misspelt setting fails here, before any engine starts
+    result = {"config": args.config, "context": args.context, "rows": []}
+    common = ["--config", args.config, "--context", str(args.context), "--gen-len", str(args.gen_len),
+              "--decodes", str(args.decodes), "--batches", *map(str, args.batches)]
+    for round_ in range(args.rounds):
+        for text in args.variants:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *common, "--child", text],
+                                  capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"variant {text!r} failed:\n{done.stderr[-3000:]}")
+            for row in json.loads(done.stdout.strip().splitlines()[-1]):
+                row = {"round": round_, "variant": text, **row}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
