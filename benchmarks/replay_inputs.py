@@ -1,7 +1,9 @@
 """Whether a decode graph's replay time depends on the token and position it holds: the (batch 1, 1) graph of one
 engine replayed with its capture's inputs (token 0 at position 0), with a real decode's last step, then with that
-step's token or position zeroed and with a few fixed tokens. Session 67 saw the 30B-A3B's batch-1 replay on an
-H100 read 3.15 or 3.28 ms depending on the decode it followed.
+step's token or position zeroed and with a few fixed tokens (each replay at blocks 0.. of `gpu_decode.set_context`).
+Session 67 saw the 30B-A3B's batch-1 replay on an H100 read 3.15 or 3.28 ms depending on the decode it followed;
+session 68 found every input here within 3.139-3.157 ms, and the 3.28 ms in engines that also capture a 512-token
+mixed graph (`fresh_variants.py`), which this engine, like recapture.py's, does not.
 
     python benchmarks/replay_inputs.py --config benchmarks/configs/qwen3-30b-a3b --out replay_inputs.json
 """
