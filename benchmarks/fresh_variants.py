@@ -36,17 +36,11 @@ def child(args) -> None:
     engine_args = SimpleNamespace(config=args.config, batches=args.batches, gen_len=args.gen_len,
                                   max_model_len=None, max_kv_tokens=300_000)
     llm = gpu_decode.start_engine(engine_args, args.context)
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for batch in args.batches:
-        row = {"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(runner.graphs.graphs),
-               "replay_ms": gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50), "decodes": []}
-        for _ in range(args.decodes):
-            rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
-            after = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
-            row["decodes"].append({"tokens_per_s": rate, "replay_after_decode_ms": after})
-        rows.append(row)
+    rows = [{"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(engine.runner.graphs.graphs),
+             **recapture.replays_around_decodes(engine, batch, args.context, engine_args, arch, gen, args.decodes)}
+            for batch in args.batches]
     engine.close()
     print(json.dumps(rows))
 

@@ -53,6 +53,18 @@ def settings(variant: str) -> list[tuple[object, str, object]]:
     return out
 
 
+def replays_around_decodes(engine, batch: int, context: int, engine_args, arch, gen, decodes: int = 1) -> dict:
+    """The (batch, 1) graph's replay ms at context + 16 keys, then `decodes` real decodes of `batch` requests, each
+    followed by the replay again: {"replay_ms", "decodes": [{"tokens_per_s", "replay_after_decode_ms"}, ...]}."""
+    runner = engine.runner
+    out = {"replay_ms": gpu_decode.replay_ms(runner, batch, context + 16, reps=50), "decodes": []}
+    for _ in range(decodes):
+        rate = gpu_decode.decode_rate(engine, batch, context, engine_args, arch, gen)
+        after = gpu_decode.replay_ms(runner, batch, context + 16, reps=50)
+        out["decodes"].append({"tokens_per_s": rate, "replay_after_decode_ms": after})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
@@ -83,11 +95,9 @@ def main() -> None:
             cublaslt.forget()  # products tuned afresh under this variant's settings
             runner.graphs.capture()
             for batch in args.batches:
-                replay = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
-                rate = gpu_decode.decode_rate(engine, batch, args.context, engine_args, arch, gen)
-                after = gpu_decode.replay_ms(runner, batch, args.context + 16, reps=50)
-                row = {"round": round_, "variant": text, "batch": batch, "replay_ms": replay,
-                       "replay_after_decode_ms": after, "tokens_per_s": rate}
+                timed = replays_around_decodes(engine, batch, args.context, engine_args, arch, gen)
+                row = {"round": round_, "variant": text, "batch": batch, "replay_ms": timed["replay_ms"],
+                       **timed["decodes"][0]}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             with open(args.out, "w") as f:
