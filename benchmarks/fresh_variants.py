@@ -7,7 +7,8 @@ and the decode rate, as `recapture.py` reports them for settings a recapture can
         "engine.cuda_graph.MIXED_CAPTURE='before'" "engine.cuda_graph.MIXED_CAPTURE='apart'"
 
 A variant is `recapture.py`'s: `module.NAME=value` settings separated by ";", a module of specserve.layers or a
-path under specserve. Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that
+path under specserve; an item without a module (`gemm_tuning_rows=0`) is an engine option, as `LLM(...)` takes it.
+Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that
 also captured a 512-token mixed graph; recapture.py turns mixed graphs off, so it cannot see that.
 """
 from __future__ import annotations
@@ -24,18 +25,33 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 
+def split_variant(text: str) -> tuple[str, dict]:
+    """'module.NAME=v;option=v' -> ('module.NAME=v', {'option': v}): module settings, and engine options."""
+    import ast
+
+    settings, options = [], {}
+    for item in text.split(";"):
+        target, value = item.split("=", 1)
+        if "." in target:
+            settings.append(item)
+        else:
+            options[target.strip()] = ast.literal_eval(value.strip())
+    return ";".join(settings), options
+
+
 def child(args) -> None:
     """One engine under one variant: one JSON row per batch on stdout's last line."""
     import gpu_decode
     import recapture
     import torch
 
-    for module, name, value in recapture.settings(args.child):
+    settings, options = split_variant(args.child)
+    for module, name, value in recapture.settings(settings) if settings else ():
         setattr(module, name, value)
     arch = gpu_decode.ArchConfig.from_dict(gpu_decode.read_config(args.config))
     engine_args = SimpleNamespace(config=args.config, batches=args.batches, gen_len=args.gen_len,
                                   max_model_len=None, max_kv_tokens=300_000)
-    llm = gpu_decode.start_engine(engine_args, args.context)
+    llm = gpu_decode.start_engine(engine_args, args.context, **options)
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     rows = [{"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(engine.runner.graphs.graphs),
@@ -61,8 +77,15 @@ def main() -> None:
         return child(args)
     import recapture
 
+    from specserve.config import option_table
+
     for text in args.variants:
-        recapture.settings(text)  # a misspelt setting fails here, before any engine starts
+        settings, options = split_variant(text)  # a misspelt setting fails here, before any engine starts
+        if settings:
+            recapture.settings(settings)
+        for name in options:
+            if name not in option_table():
+                raise SystemExit(f"{name!r} is not an engine option")
     result = {"config": args.config, "context": args.context, "rows": []}
     common = ["--config", args.config, "--context", str(args.context), "--gen-len", str(args.gen_len),
               "--decodes", str(args.decodes), "--batches", *map(str, args.batches)]
