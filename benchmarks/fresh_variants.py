@@ -65,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=os.path.join(HERE, "configs", "llama-3.1-8b"))
     ap.add_argument("--batches", type=int, nargs="+", default=[1])
-    ap.add_argument("--variants", nargs="+", required=True)
+    ap.add_argument("--variants", nargs="+", default=[])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--decodes", type=int, default=2, help="real decodes a batch, each followed by a replay")
     ap.add_argument("--context", type=int, default=256)
