@@ -54,9 +54,15 @@ def child(args) -> None:
     llm = gpu_decode.start_engine(engine_args, args.context, **options)
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
-    rows = [{"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(engine.runner.graphs.graphs),
-             **recapture.replays_around_decodes(engine, batch, args.context, engine_args, arch, gen, args.decodes)}
-            for batch in args.batches]
+    rows = []
+    for batch in args.batches:
+        row = {"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(engine.runner.graphs.graphs),
+               **recapture.replays_around_decodes(engine, batch, args.context, engine_args, arch, gen, args.decodes)}
+        if args.profile:  # after the decodes: the kernels' sum and their overlap (programmatic dependent launch)
+            last = row["decodes"][-1]["replay_after_decode_ms"] if row["decodes"] else row["replay_ms"]
+            seen = gpu_decode.profile(engine.runner, batch, args.context + 16, last)
+            row["profile"] = {"kernels_ms": seen["kernels_ms"], "overlap_us": seen["overlap_us"]}
+        rows.append(row)
     engine.close()
     print(json.dumps(rows))
 
@@ -70,6 +76,7 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=2, help="real decodes a batch, each followed by a replay")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--profile", action="store_true", help="profile the replay after the decodes (kernels, overlap)")
     ap.add_argument("--out", default="fresh_variants.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -88,7 +95,7 @@ def main() -> None:
                 raise SystemExit(f"{name!r} is not an engine option")
     result = {"config": args.config, "context": args.context, "rows": []}
     common = ["--config", args.config, "--context", str(args.context), "--gen-len", str(args.gen_len),
-              "--decodes", str(args.decodes), "--batches", *map(str, args.batches)]
+              "--decodes", str(args.decodes), "--batches", *map(str, args.batches), *["--profile"] * args.profile]
     for round_ in range(args.rounds):
         for text in args.variants:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), *common, "--child", text],

@@ -288,9 +288,9 @@ def replay_ms(runner, batch: int, context: int, reps: int = 20) -> float:
 def profile(runner, batch: int, context: int, replay: float) -> dict:
     """The engine's (batch, 1) decode graph at `context` keys a row: its replay time (`replay_ms`, timed before any
     profiler ran), the sum of its kernels' times (the difference: time between kernels), the CUDA time per kernel
-    name, largest first, and the time between kernels by the kernels on either side (`boundaries`). With
-    programmatic dependent launch a kernel's time includes its wait for the one ahead, so the sum can exceed the
-    replay."""
+    name, largest first, the time between kernels by the kernels on either side (`boundaries`) and the time kernels
+    ran alongside the one ahead (`overlap_us`). With programmatic dependent launch a kernel's time includes its wait
+    for the one ahead, so the sum can exceed the replay."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -312,11 +312,13 @@ def profile(runner, batch: int, context: int, replay: float) -> dict:
           "replay; top: " +
           "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
           flush=True)
-    between = boundaries(spans, 3)
-    print(f"  between kernels {sum(b['us_per_step'] for b in between):.0f} us a step; largest: " +
+    between, alongside = boundaries(spans, 3), overlap_us(spans, 3)
+    print(f"  between kernels {sum(b['us_per_step'] for b in between):.0f} us a step, kernels alongside the one "
+          f"ahead {alongside:.0f} us; largest gaps: " +
           "; ".join(f"{b['after'][:24]} -> {b['before'][:24]} {b['us_per_step']:.0f}us x{b['per_step']:.0f}"
                     for b in between[:6]), flush=True)
-    return {"replay_ms": replay, "kernels_ms": total / 1e3, "kernels": table, "between": between[:16]}
+    return {"replay_ms": replay, "kernels_ms": total / 1e3, "overlap_us": alongside, "kernels": table,
+            "between": between[:16]}
 
 
 def kernel_family(name: str) -> str:
@@ -335,6 +337,14 @@ def boundaries(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
         pairs[key] = (gap + max(0.0, start - end), count + 1)
     return sorted(({"after": a, "before": b, "us_per_step": gap / steps, "per_step": count / steps}
                    for (a, b), (gap, count) in pairs.items()), key=lambda r: -r["us_per_step"])
+
+
+def overlap_us(spans: list[tuple[str, float, float]], steps: int) -> float:
+    """Time per step that kernels (name, start us, end us) ran alongside the kernel ahead of them: what
+    programmatic dependent launch buys, a kernel's programs starting before the one ahead has ended."""
+    ordered = sorted(spans, key=lambda s: s[1])
+    return sum(max(0.0, min(a_end, b_end) - b_start)
+               for (_, _, a_end), (_, b_start, b_end) in zip(ordered, ordered[1:])) / steps
 
 
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

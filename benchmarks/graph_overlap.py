@@ -1,0 +1,108 @@
+"""Whether the (batch, 1) decode graph's kernels overlap (programmatic dependent launch), step by step through
+a sequence of graph captures, launches and drops in one engine: its replay ms, its kernels' ms and their
+overlap (`gpu_decode.overlap_us`) after each step.
+
+    python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence drop-mixed
+    python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence more-graphs
+
+Session 69 found (H100, 30B-A3B, batch 1) the same 487 kernels overlapping by ~190 us a replay in an engine
+without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms), whatever the memory placement or the
+shared-memory carveout. The sequences ask what restores or removes the overlap:
+- drop-mixed (the default engine): recapture the decode graph; drop the mixed graphs and the old decode graph;
+  recapture it alone;
+- more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import gpu_decode  # noqa: E402
+
+from specserve.engine import cuda_graph  # noqa: E402
+
+
+def recapture(graphs, key: tuple) -> torch.cuda.CUDAGraph:
+    with torch.inference_mode():
+        captured, _ = cuda_graph.capture_all([key], graphs._run)
+    return captured[key]
+
+
+def drop_mixed(runner, batch: int, seen) -> None:
+    graphs = runner.graphs
+    old = graphs.graphs[(batch, 1)]
+    graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
+    seen("decode graph recaptured, the others kept")
+    for key in [k for k in graphs.graphs if k[0] == 0]:
+        del graphs.graphs[key]
+    del old
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    seen("mixed graphs and the first decode graph dropped")
+    graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
+    seen("decode graph recaptured alone")
+
+
+def more_graphs(runner, batch: int, seen) -> None:
+    kept = []
+    for total in (2, 6, 14):
+        while len(kept) < total:
+            kept.append(recapture(runner.graphs, (batch, 1)))
+        torch.cuda.synchronize()
+        seen(f"{total} more decode graphs captured, none launched")
+        for graph in kept:
+            graph.replay()
+        torch.cuda.synchronize()
+        seen(f"each of the {total} launched once")
+
+
+SEQUENCES = {"drop-mixed": (drop_mixed, True), "more-graphs": (more_graphs, False)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default=os.path.join(HERE, "configs", "qwen3-30b-a3b"))
+    ap.add_argument("--sequence", choices=sorted(SEQUENCES), default="drop-mixed")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--out", default="graph_overlap.json")
+    args = ap.parse_args()
+    run, mixed = SEQUENCES[args.sequence]
+    if not mixed:
+        cuda_graph.MIXED_TOKENS = ()
+    engine_args = SimpleNamespace(config=args.config, batches=[args.batch], gen_len=32, max_model_len=None,
+                                  max_kv_tokens=300_000)
+    llm = gpu_decode.start_engine(engine_args, args.context)
+    runner = llm.engine.runner
+    result = {"config": args.config, "sequence": args.sequence, "device": torch.cuda.get_device_name(), "steps": []}
+
+    def seen(step: str) -> None:
+        replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=50)
+        profiled = gpu_decode.profile(runner, args.batch, args.context + 16, replay)
+        row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay,
+               "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"]}
+        result["steps"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    try:
+        seen("start")
+        run(runner, args.batch, seen)
+    finally:
+        llm.engine.close()
+
+
+if __name__ == "__main__":
+    main()
