@@ -318,7 +318,7 @@ def profile(runner, batch: int, context: int, replay: float) -> dict:
           "; ".join(f"{b['after'][:24]} -> {b['before'][:24]} {b['us_per_step']:.0f}us x{b['per_step']:.0f}"
                     for b in between[:6]), flush=True)
     return {"replay_ms": replay, "kernels_ms": total / 1e3, "overlap_us": alongside, "kernels": table,
-            "between": between[:16]}
+            "between": between[:16], "alongside": sorted(between, key=lambda b: -b["overlap_us_per_step"])[:16]}
 
 
 def kernel_family(name: str) -> str:
@@ -328,23 +328,23 @@ def kernel_family(name: str) -> str:
 
 def boundaries(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
     """Idle time between consecutive kernels (name, start us, end us) on the GPU, per step, by the pair of
-    kernel families on either side, largest first: where a graph's replay outlasts its kernels' sum."""
+    kernel families on either side, largest first: where a graph's replay outlasts its kernels' sum; and the
+    time the second ran alongside the first (programmatic dependent launch lets it start early)."""
     ordered = sorted(spans, key=lambda s: s[1])
     pairs = {}
-    for (a, _, end), (b, start, _) in zip(ordered, ordered[1:]):
+    for (a, _, a_end), (b, start, b_end) in zip(ordered, ordered[1:]):
         key = (kernel_family(a), kernel_family(b))
-        gap, count = pairs.get(key, (0.0, 0))
-        pairs[key] = (gap + max(0.0, start - end), count + 1)
-    return sorted(({"after": a, "before": b, "us_per_step": gap / steps, "per_step": count / steps}
-                   for (a, b), (gap, count) in pairs.items()), key=lambda r: -r["us_per_step"])
+        gap, alongside, count = pairs.get(key, (0.0, 0.0, 0))
+        pairs[key] = (gap + max(0.0, start - a_end), alongside + max(0.0, min(a_end, b_end) - start), count + 1)
+    return sorted(({"after": a, "before": b, "us_per_step": gap / steps, "overlap_us_per_step": alongside / steps,
+                    "per_step": count / steps} for (a, b), (gap, alongside, count) in pairs.items()),
+                  key=lambda r: -r["us_per_step"])
 
 
 def overlap_us(spans: list[tuple[str, float, float]], steps: int) -> float:
     """Time per step that kernels (name, start us, end us) ran alongside the kernel ahead of them: what
     programmatic dependent launch buys, a kernel's programs starting before the one ahead has ended."""
-    ordered = sorted(spans, key=lambda s: s[1])
-    return sum(max(0.0, min(a_end, b_end) - b_start)
-               for (_, _, a_end), (_, b_start, b_end) in zip(ordered, ordered[1:])) / steps
+    return sum(b["overlap_us_per_step"] for b in boundaries(spans, steps))
 
 
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

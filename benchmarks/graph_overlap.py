@@ -91,7 +91,8 @@ def main() -> None:
         replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=50)
         profiled = gpu_decode.profile(runner, args.batch, args.context + 16, replay)
         row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay,
-               "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"]}
+               "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"],
+               "alongside": profiled["alongside"]}
         result["steps"].append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
