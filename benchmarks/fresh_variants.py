@@ -8,8 +8,9 @@ and the decode rate, as `recapture.py` reports them for settings a recapture can
 
 A variant is `recapture.py`'s: `module.NAME=value` settings separated by ";", a module of specserve.layers or a
 path under specserve; an item without a module (`gemm_tuning_rows=0`) is an engine option, as `LLM(...)` takes it.
-Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that
-also captured a 512-token mixed graph; recapture.py turns mixed graphs off, so it cannot see that.
+Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that also captured a 512-token
+mixed graph; recapture.py turns mixed graphs off, so it cannot see that. Session 69 found why: its kernels no longer
+overlap (`--profile` records the overlap; `graph_overlap.py`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child is not None:
         return child(args)
+    if not args.variants:
+        ap.error("--variants: at least one variant to run")
     import recapture
 
     from specserve.config import option_table
