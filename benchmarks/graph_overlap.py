@@ -5,6 +5,7 @@ overlap (`gpu_decode.overlap_us`) after each step.
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence drop-mixed
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence more-graphs
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence launch-mixed
+    python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence free-memory
 
 Session 69 found (H100, 30B-A3B, batch 1) the same 487 kernels overlapping by ~190 us a replay in an engine
 without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms), whatever the memory placement or the
@@ -13,7 +14,9 @@ shared-memory carveout. The sequences ask what restores or removes the overlap:
   recapture it alone;
 - more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once;
 - launch-mixed (the default engine without cuBLASLt tuning, whose decode graph session 69 saw start fast): launch
-  the smallest mixed graph once, then the largest (on whatever inputs the capture left: a benchmark's KV only).
+  the smallest mixed graph once, then the largest (on whatever inputs the capture left: a benchmark's KV only);
+- free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
+  to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
 from __future__ import annotations
 
@@ -79,9 +82,20 @@ def launch_mixed(runner, batch: int, seen) -> None:
         seen(f"the {tokens}-token mixed graph launched once")
 
 
+def free_memory(runner, batch: int, seen) -> None:
+    block = torch.empty(2 << 30, dtype=torch.uint8, device=runner.device)
+    block.fill_(1)
+    del block
+    torch.cuda.synchronize()
+    seen("2 GiB allocated and freed (cached)")
+    torch.cuda.empty_cache()
+    seen("empty_cache: handed back to the driver")
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
-             "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0})}
+             "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
+             "free-memory": (free_memory, False, {})}
 
 
 def main() -> None:
