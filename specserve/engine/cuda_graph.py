@@ -43,8 +43,8 @@ ADAPTERS = "lora"  # the last element of the key of a graph that adds LoRA adapt
 # its GEMMs rather than its launches, so padding stays under a quarter of its tokens there
 MIXED_TOKENS = (32, 64, 128) + tuple(range(160, 513, 32))
 # when the mixed graphs are captured: "after" the decode graphs, in their memory pool; "before" them, in it; or
-# "apart", in a pool of their own. Session 68 (H100, Qwen3-30B-A3B): with a 512-token mixed graph captured after
-# it, the batch-1 decode graph replays in 3.27 ms against 3.15 without one (or with a 32-token one); cause unknown
+# "apart", in a pool of their own. Sessions 68-69 (H100, Qwen3-30B-A3B): with mixed graphs the batch-1 decode graph
+# replays in 3.27 ms against 3.14 without them, under all three (its kernels no longer overlap: docs/performance.md)
 MIXED_CAPTURE = "after"
 
 
