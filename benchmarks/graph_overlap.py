@@ -15,6 +15,7 @@ shared-memory carveout. The sequences ask what restores or removes the overlap:
 - more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once;
 - launch-mixed (the default engine without cuBLASLt tuning, whose decode graph session 69 saw start fast): launch
   the smallest mixed graph once, then the largest (on whatever inputs the capture left: a benchmark's KV only);
+- side-streams (the default engine): the decode graph replayed on a new stream, then a new high-priority one;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
@@ -92,10 +93,17 @@ def free_memory(runner, batch: int, seen) -> None:
     seen("empty_cache: handed back to the driver")
 
 
+def side_streams(runner, batch: int, seen) -> None:
+    for name, stream in (("a new stream", torch.cuda.Stream()), ("a new high-priority stream",
+                                                                  torch.cuda.Stream(priority=-1))):
+        with torch.cuda.stream(stream):
+            seen(f"replayed on {name}")
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
-             "free-memory": (free_memory, False, {})}
+             "free-memory": (free_memory, False, {}), "side-streams": (side_streams, True, {})}
 
 
 def main() -> None:
