@@ -16,6 +16,10 @@ shared-memory carveout. The sequences ask what restores or removes the overlap:
 - launch-mixed (the default engine without cuBLASLt tuning, whose decode graph session 69 saw start fast): launch
   the smallest mixed graph once, then the largest (on whatever inputs the capture left: a benchmark's KV only);
 - side-streams (the default engine): the decode graph replayed on a new stream, then a new high-priority one;
+- restore (the default engine): the decode graph uploaded again (cuGraphUpload), the step run eagerly, 1 then 8
+  more decode graphs captured and not launched (session 70 saw 14 captures bring the overlap back);
+- relaunch (no mixed graphs): 6 more decode graphs launched (session 70: the overlap ends), the decode graph
+  uploaded again, one of the 6 launched again, the 6 dropped;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
@@ -100,10 +104,55 @@ def side_streams(runner, batch: int, seen) -> None:
             seen(f"replayed on {name}")
 
 
+def upload(graph: torch.cuda.CUDAGraph) -> None:
+    """cuGraphUpload of the graph's executable on the current stream (the driver API; the runtime's handle)."""
+    import ctypes
+    status = ctypes.CDLL("libcuda.so.1").cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()),
+                                                      ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    assert status == 0, f"cuGraphUpload returned {status}"
+
+
+def restore(runner, batch: int, seen) -> None:
+    graphs = runner.graphs
+    upload(graphs.graphs[(batch, 1)])
+    torch.cuda.synchronize()
+    seen("decode graph uploaded again")
+    with torch.inference_mode():
+        graphs._run(batch, 1)
+    torch.cuda.synchronize()
+    seen("the step run once eagerly")
+    kept = []
+    for total in (1, 8):
+        while len(kept) < total:
+            kept.append(recapture(graphs, (batch, 1)))
+        torch.cuda.synchronize()
+        seen(f"{total} more decode graphs captured, none launched")
+
+
+def relaunch(runner, batch: int, seen) -> None:
+    kept = [recapture(runner.graphs, (batch, 1)) for _ in range(6)]
+    for graph in kept:
+        graph.replay()
+    torch.cuda.synchronize()
+    seen("6 more decode graphs captured and launched once")
+    upload(runner.graphs.graphs[(batch, 1)])
+    torch.cuda.synchronize()
+    seen("decode graph uploaded again")
+    for graph in kept[:1]:
+        graph.replay()
+    torch.cuda.synchronize()
+    seen("one of the 6 launched again")
+    del kept
+    gc.collect()
+    torch.cuda.synchronize()
+    seen("the 6 dropped")
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
-             "free-memory": (free_memory, False, {}), "side-streams": (side_streams, True, {})}
+             "free-memory": (free_memory, False, {}), "side-streams": (side_streams, True, {}),
+             "restore": (restore, True, {}), "relaunch": (relaunch, False, {})}
 
 
 def main() -> None:
@@ -113,6 +162,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--out", default="graph_overlap.json")
+    ap.add_argument("--no-profile", action="store_true",
+                    help="replay times only: a profiler session slows the replays after it (session 70)")
     args = ap.parse_args()
     run, mixed, options = SEQUENCES[args.sequence]
     if not mixed:
@@ -125,7 +176,8 @@ def main() -> None:
 
     def seen(step: str) -> None:
         replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=50)
-        profiled = gpu_decode.profile(runner, args.batch, args.context + 16, replay)
+        profiled = ({"kernels_ms": None, "overlap_us": None, "alongside": None} if args.no_profile else
+                    gpu_decode.profile(runner, args.batch, args.context + 16, replay))
         row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay,
                "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"],
                "alongside": profiled["alongside"]}
