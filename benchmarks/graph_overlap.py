@@ -20,6 +20,9 @@ shared-memory carveout. The sequences ask what restores or removes the overlap:
   more decode graphs captured and not launched (session 70 saw 14 captures bring the overlap back);
 - relaunch (no mixed graphs): 6 more decode graphs launched (session 70: the overlap ends), the decode graph
   uploaded again, one of the 6 launched again, the 6 dropped;
+- prompts (the default engine without tuning, fast at start; prompts-eager: no mixed graphs either): real
+  requests served, a 32-token prompt, a 256-token one, then 256 tokens in and 8 out (session 69 saw a decode end
+  the overlap where launching a mixed graph on the capture's inputs, session 70, did not);
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
@@ -49,7 +52,8 @@ def recapture(graphs, key: tuple) -> torch.cuda.CUDAGraph:
     return captured[key]
 
 
-def drop_mixed(runner, batch: int, seen) -> None:
+def drop_mixed(engine, batch: int, seen) -> None:
+    runner = engine.runner
     graphs = runner.graphs
     old = graphs.graphs[(batch, 1)]
     graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
@@ -65,7 +69,8 @@ def drop_mixed(runner, batch: int, seen) -> None:
     seen("decode graph recaptured alone")
 
 
-def more_graphs(runner, batch: int, seen) -> None:
+def more_graphs(engine, batch: int, seen) -> None:
+    runner = engine.runner
     kept = []
     for total in (2, 6, 14):
         while len(kept) < total:
@@ -78,7 +83,8 @@ def more_graphs(runner, batch: int, seen) -> None:
         seen(f"each of the {total} launched once")
 
 
-def launch_mixed(runner, batch: int, seen) -> None:
+def launch_mixed(engine, batch: int, seen) -> None:
+    runner = engine.runner
     graphs = runner.graphs
     sizes = sorted(key[1] for key in graphs.graphs if key[0] == 0)
     for tokens in (sizes[0], sizes[-1]):
@@ -87,7 +93,8 @@ def launch_mixed(runner, batch: int, seen) -> None:
         seen(f"the {tokens}-token mixed graph launched once")
 
 
-def free_memory(runner, batch: int, seen) -> None:
+def free_memory(engine, batch: int, seen) -> None:
+    runner = engine.runner
     block = torch.empty(2 << 30, dtype=torch.uint8, device=runner.device)
     block.fill_(1)
     del block
@@ -97,7 +104,7 @@ def free_memory(runner, batch: int, seen) -> None:
     seen("empty_cache: handed back to the driver")
 
 
-def side_streams(runner, batch: int, seen) -> None:
+def side_streams(engine, batch: int, seen) -> None:
     for name, stream in (("a new stream", torch.cuda.Stream()), ("a new high-priority stream",
                                                                   torch.cuda.Stream(priority=-1))):
         with torch.cuda.stream(stream):
@@ -112,7 +119,8 @@ def upload(graph: torch.cuda.CUDAGraph) -> None:
     assert status == 0, f"cuGraphUpload returned {status}"
 
 
-def restore(runner, batch: int, seen) -> None:
+def restore(engine, batch: int, seen) -> None:
+    runner = engine.runner
     graphs = runner.graphs
     upload(graphs.graphs[(batch, 1)])
     torch.cuda.synchronize()
@@ -129,7 +137,8 @@ def restore(runner, batch: int, seen) -> None:
         seen(f"{total} more decode graphs captured, none launched")
 
 
-def relaunch(runner, batch: int, seen) -> None:
+def relaunch(engine, batch: int, seen) -> None:
+    runner = engine.runner
     kept = [recapture(runner.graphs, (batch, 1)) for _ in range(6)]
     for graph in kept:
         graph.replay()
@@ -148,11 +157,31 @@ def relaunch(runner, batch: int, seen) -> None:
     seen("the 6 dropped")
 
 
+def serve(engine, prompt_len: int, max_tokens: int) -> None:
+    """One request of random tokens through the engine: its prompt (a mixed graph where the engine has them) and
+    max_tokens - 1 decode steps."""
+    from specserve import SamplingParams
+
+    ids = torch.randint(10, 1000, (prompt_len,)).tolist()
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def prompts(engine, batch: int, seen) -> None:
+    for prompt_len, max_tokens in ((32, 1), (256, 1), (256, 8)):
+        serve(engine, prompt_len, max_tokens)
+        seen(f"a {prompt_len}-token prompt served, {max_tokens} tokens out")
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
              "free-memory": (free_memory, False, {}), "side-streams": (side_streams, True, {}),
-             "restore": (restore, True, {}), "relaunch": (relaunch, False, {})}
+             "restore": (restore, True, {}), "relaunch": (relaunch, False, {}),
+             "prompts": (prompts, True, {"gemm_tuning_rows": 0}),
+             "prompts-eager": (prompts, False, {"gemm_tuning_rows": 0})}
 
 
 def main() -> None:
@@ -188,7 +217,7 @@ def main() -> None:
 
     try:
         seen("start")
-        run(runner, args.batch, seen)
+        run(llm.engine, args.batch, seen)
     finally:
         llm.engine.close()
 
