@@ -44,6 +44,23 @@ sys.path.insert(0, HERE)
 import gpu_decode  # noqa: E402
 
 from specserve.engine import cuda_graph  # noqa: E402
+from specserve.layers import cublaslt, triton_launch  # noqa: E402
+
+
+def mixed_graphs_pdl(mode: int) -> None:
+    """Capture the mixed graphs under triton_launch.MODE = mode (the decode graphs keep the module's mode)."""
+    run = cuda_graph.GraphRunner._run
+
+    def _run(self, bs: int, q: int, adapters: bool = False):
+        if bs:
+            return run(self, bs, q, adapters)
+        kept, triton_launch.MODE = triton_launch.MODE, mode
+        try:
+            return run(self, bs, q, adapters)
+        finally:
+            triton_launch.MODE = kept
+
+    cuda_graph.GraphRunner._run = _run
 
 
 def recapture(graphs, key: tuple) -> torch.cuda.CUDAGraph:
@@ -191,12 +208,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--out", default="graph_overlap.json")
+    ap.add_argument("--mixed-pdl", type=int, choices=(0, 1, 2, 3, 4), default=None,
+                    help="capture the mixed graphs under this triton_launch.MODE")
+    ap.add_argument("--eager-tuning", action="store_true",
+                    help="cuBLASLt tuning on, timed eagerly (cublaslt.IN_GRAPH = False), whatever the sequence says")
     ap.add_argument("--no-profile", action="store_true",
                     help="replay times only: a profiler session slows the replays after it (session 70)")
     args = ap.parse_args()
     run, mixed, options = SEQUENCES[args.sequence]
     if not mixed:
         cuda_graph.MIXED_TOKENS = ()
+    if args.mixed_pdl is not None:
+        mixed_graphs_pdl(args.mixed_pdl)
+    if args.eager_tuning:
+        cublaslt.IN_GRAPH = False
+        options = {k: v for k, v in options.items() if k != "gemm_tuning_rows"}
     engine_args = SimpleNamespace(config=args.config, batches=[args.batch], gen_len=32, max_model_len=None,
                                   max_kv_tokens=300_000)
     llm = gpu_decode.start_engine(engine_args, args.context, **options)
