@@ -192,12 +192,30 @@ def prompts(engine, batch: int, seen) -> None:
         seen(f"a {prompt_len}-token prompt served, {max_tokens} tokens out")
 
 
+def toggle(engine, batch: int, seen) -> None:
+    for prompt_len in (256, 32, 256):
+        serve(engine, prompt_len, 1)
+        seen(f"a {prompt_len}-token prompt served")
+    launch_mixed(engine, batch, seen)
+
+
+def tokens(engine, batch: int, seen, order=(0, 1, 7, 100, 1000, 5000, 50000, 0)) -> None:
+    graphs = engine.runner.graphs
+    for token in order:
+        graphs.ids[:batch].fill_(token)
+        graphs.positions[:batch].fill_(16)
+        seen(f"input token {token} at position 16")
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
              "free-memory": (free_memory, False, {}), "side-streams": (side_streams, True, {}),
              "restore": (restore, True, {}), "relaunch": (relaunch, False, {}),
              "prompts": (prompts, True, {"gemm_tuning_rows": 0}),
+             "toggle": (toggle, True, {"gemm_tuning_rows": 0}),
+             "tokens": (tokens, True, {"gemm_tuning_rows": 0}),
+             "same-token": (lambda e, b, seen: tokens(e, b, seen, (0,) * 8), True, {"gemm_tuning_rows": 0}),
              "prompts-eager": (prompts, False, {"gemm_tuning_rows": 0})}
 
 
