@@ -1,16 +1,16 @@
-"""Settings that take effect only when an engine starts (which graphs it captures, in what order and pool), each
+"""Settings that take effect only when an engine starts (which graphs it captures, engine options), each
 variant in a fresh process, in rounds: the (batch, 1) decode graph's replay time before and after real decodes,
 and the decode rate, as `recapture.py` reports them for settings a recapture can change.
 
     python benchmarks/fresh_variants.py --config benchmarks/configs/qwen3-30b-a3b --batches 1 --rounds 2 \
-        --variants "engine.cuda_graph.MIXED_TOKENS=()" "engine.cuda_graph.MIXED_CAPTURE='after'" \
-        "engine.cuda_graph.MIXED_CAPTURE='before'" "engine.cuda_graph.MIXED_CAPTURE='apart'"
+        --variants "engine.cuda_graph.MIXED_TOKENS=()" "engine.cuda_graph.MIXED_TOKENS=(32,)" "gemm_tuning_rows=0"
 
 A variant is `recapture.py`'s: `module.NAME=value` settings separated by ";", a module of specserve.layers or a
 path under specserve; an item without a module (`gemm_tuning_rows=0`) is an engine option, as `LLM(...)` takes it.
 Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that also captured a 512-token
-mixed graph; recapture.py turns mixed graphs off, so it cannot see that. Session 69 found why: its kernels no longer
-overlap (`--profile` records the overlap; `graph_overlap.py`).
+mixed graph; recapture.py turns mixed graphs off, so it cannot see that. In that state its kernels no longer overlap
+(session 69; `--profile` records the overlap). Session 70 (`graph_overlap.py`): the graph turns slow after its first
+~100 replays with nothing else happening; a profiler session slows every later replay of its process.
 """
 from __future__ import annotations
 

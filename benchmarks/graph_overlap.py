@@ -8,8 +8,11 @@ overlap (`gpu_decode.overlap_us`) after each step.
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence free-memory
 
 Session 69 found (H100, 30B-A3B, batch 1) the same 487 kernels overlapping by ~190 us a replay in an engine
-without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms), whatever the memory placement or the
-shared-memory carveout. The sequences ask what restores or removes the overlap:
+without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms). Session 70 ran these sequences (results in
+docs/results/graph_overlap_s70_h100.json): without a profiler, an engine with mixed graphs replays the decode graph
+in 3.11 ms for its first ~100 replays and in 3.23-3.24 ms after, with the same inputs and nothing else happening
+(same-token); engines without them stay at 3.11. A profiler session slows every later replay of its process, so only
+a process's first profiled step compares with another's (use --no-profile for replay times). The sequences:
 - drop-mixed (the default engine): recapture the decode graph; drop the mixed graphs and the old decode graph;
   recapture it alone;
 - more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once;
@@ -17,12 +20,14 @@ shared-memory carveout. The sequences ask what restores or removes the overlap:
   the smallest mixed graph once, then the largest (on whatever inputs the capture left: a benchmark's KV only);
 - side-streams (the default engine): the decode graph replayed on a new stream, then a new high-priority one;
 - restore (the default engine): the decode graph uploaded again (cuGraphUpload), the step run eagerly, 1 then 8
-  more decode graphs captured and not launched (session 70 saw 14 captures bring the overlap back);
-- relaunch (no mixed graphs): 6 more decode graphs launched (session 70: the overlap ends), the decode graph
-  uploaded again, one of the 6 launched again, the 6 dropped;
-- prompts (the default engine without tuning, fast at start; prompts-eager: no mixed graphs either): real
-  requests served, a 32-token prompt, a 256-token one, then 256 tokens in and 8 out (session 69 saw a decode end
-  the overlap where launching a mixed graph on the capture's inputs, session 70, did not);
+  more decode graphs captured and not launched;
+- relaunch (no mixed graphs): 6 more decode graphs launched, the decode graph uploaded again, one of the 6
+  launched again, the 6 dropped;
+- prompts (the default engine without tuning; prompts-eager: no mixed graphs either): real requests served, a
+  32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens, then
+  launch-mixed's launches;
+- tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
+  same-token: token 0 eight times;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """

@@ -8,8 +8,7 @@ import torch
 
 from specserve import ConfigError
 from specserve.config import EngineConfig
-from specserve.engine import cuda_graph
-from specserve.engine.cuda_graph import ADAPTERS, GraphRunner, StepInputs, chunk_pair_slots
+from specserve.engine.cuda_graph import GraphRunner, StepInputs, chunk_pair_slots
 from specserve.layers.attention import TritonBackend, new_token_slots
 from specserve.layers.triton_attention import build_triton_metadata
 from specserve.models import load_model
@@ -128,25 +127,8 @@ def test_chunk_pair_slots_pair_the_tokens_of_each_prompt_chunk():
     assert chunk_pair_slots(step, slots, 99) == [99, 21, 22, 99, 99, 99, 99, 41, 99]
 
 
-def test_capture_groups_hold_every_graph_once_in_the_order_asked(tmp_path, monkeypatch):
-    _, _, runner, _ = model_and_runner(str(tmp_path / "m"), 4, torch.device("cpu"))
-    decode, mixed = [(4, 1), (2, 1), (1, 1)], [(0, 64), (0, 32)]
-    for mode, want in (("after", [decode + mixed]), ("before", [mixed + decode]), ("apart", [decode, mixed])):
-        monkeypatch.setattr(cuda_graph, "MIXED_CAPTURE", mode)
-        assert runner._capture_groups() == want
-    runner.lora_slots = 2
-    monkeypatch.setattr(cuda_graph, "MIXED_CAPTURE", "apart")
-    assert runner._capture_groups() == [decode + [(*k, ADAPTERS) for k in decode],
-                                        mixed + [(*k, ADAPTERS) for k in mixed]]
-    monkeypatch.setattr(cuda_graph, "MIXED_CAPTURE", "first")
-    with pytest.raises(ValueError, match="MIXED_CAPTURE"):
-        runner._capture_groups()
-
-
 @pytest.mark.skipif(DEVICE["name"] != "cuda", reason="CUDA graphs")
-@pytest.mark.parametrize("order", ["after", "before", "apart"])
-def test_mixed_graph_replays_the_eager_step(tmp_path, monkeypatch, order):
-    monkeypatch.setattr(cuda_graph, "MIXED_CAPTURE", order)
+def test_mixed_graph_replays_the_eager_step(tmp_path):
     dev = torch.device("cuda")
     model, cache, runner, group = model_and_runner(str(tmp_path / "m"), 4, dev)
     runner.capture()

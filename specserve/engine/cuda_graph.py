@@ -41,11 +41,9 @@ ADAPTERS = "lora"  # the last element of the key of a graph that adds LoRA adapt
 
 # token counts of the mixed graphs (each at most the step's token budget): above 128 tokens a step may be bound by
 # its GEMMs rather than its launches, so padding stays under a quarter of its tokens there
+# (an engine holding them replays the Qwen3-30B-A3B batch-1 decode graph ~4% slower on an H100 after its first ~100
+# replays, whatever their capture order or pool: docs/performance.md, sessions 68-70)
 MIXED_TOKENS = (32, 64, 128) + tuple(range(160, 513, 32))
-# when the mixed graphs are captured: "after" the decode graphs, in their memory pool; "before" them, in it; or
-# "apart", in a pool of their own. Sessions 68-69 (H100, Qwen3-30B-A3B): with mixed graphs the batch-1 decode graph
-# replays in 3.27 ms against 3.14 without them, under all three (its kernels no longer overlap: docs/performance.md)
-MIXED_CAPTURE = "after"
 
 
 def mixed_token_counts(most: int) -> tuple[int, ...]:
@@ -261,31 +259,17 @@ class GraphRunner:
                              self.seq_lens[:0], self.tree_lens[:0], self.block_tables, 0, 0, 0, 1,
                              self.scratch_slot)  # compiled here, not in the first step
         self.seq_lens.zero_()
-        self.graphs, self.outputs = {}, {}
-        for keys in self._capture_groups():
-            graphs, outputs = capture_all(keys, self._run)
-            self.graphs.update(graphs)
-            self.outputs.update(outputs)
+        keys = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
+        keys += [(0, tokens) for tokens in reversed(self.mixed_tokens)]
+        if self.lora_slots:
+            keys += [(*key, ADAPTERS) for key in keys]
+        self.graphs, self.outputs = capture_all(keys, self._run)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
         log.info("captured %d CUDA graphs in %.1f s (%.0f MiB)", len(self.graphs), self.capture_seconds,
                  self.capture_bytes / 2**20)
         return self.capture_seconds
-
-    def _capture_groups(self) -> list[list[tuple]]:
-        """The graph keys in capture order, one list per memory pool (MIXED_CAPTURE)."""
-        decode = [(bs, q) for q, sizes in self.sizes.items() for bs in reversed(sizes)]
-        mixed = [(0, tokens) for tokens in reversed(self.mixed_tokens)]
-
-        def twins(keys: list[tuple]) -> list[tuple]:  # each graph and, with LoRA room, its adapters' twin after all
-            return keys + [(*key, ADAPTERS) for key in keys] if self.lora_slots else keys
-
-        groups = {"after": [twins(decode + mixed)], "before": [twins(mixed + decode)],
-                  "apart": [twins(decode), twins(mixed)]}
-        if MIXED_CAPTURE not in groups:
-            raise ValueError(f"MIXED_CAPTURE must be one of {sorted(groups)}, got {MIXED_CAPTURE!r}")
-        return groups[MIXED_CAPTURE]
 
     # ---- replay -------------------------------------------------------------------------------
     def graph_for(self, step: StepInputs) -> tuple | None:
