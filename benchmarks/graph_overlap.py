@@ -27,17 +27,19 @@ a process's first profiled step compares with another's (use --no-profile for re
   32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens, then
   launch-mixed's launches;
 - tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
-  same-token: token 0 eight times;
+  same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -212,6 +214,12 @@ def tokens(engine, batch: int, seen, order=(0, 1, 7, 100, 1000, 5000, 50000, 0))
         seen(f"input token {token} at position 16")
 
 
+def same_token(engine, batch: int, seen, repeat: int = 8, pause_s: float = 0.0) -> None:
+    for _ in range(repeat):
+        time.sleep(pause_s)
+        tokens(engine, batch, seen, (0,))
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
@@ -220,7 +228,8 @@ SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, 
              "prompts": (prompts, True, {"gemm_tuning_rows": 0}),
              "toggle": (toggle, True, {"gemm_tuning_rows": 0}),
              "tokens": (tokens, True, {"gemm_tuning_rows": 0}),
-             "same-token": (lambda e, b, seen: tokens(e, b, seen, (0,) * 8), True, {"gemm_tuning_rows": 0}),
+             "same-token": (same_token, True, {"gemm_tuning_rows": 0}),
+             "idle": (functools.partial(same_token, pause_s=1.0), True, {"gemm_tuning_rows": 0}),
              "prompts-eager": (prompts, False, {"gemm_tuning_rows": 0})}
 
 
@@ -235,12 +244,19 @@ def main() -> None:
                     help="capture the mixed graphs under this triton_launch.MODE")
     ap.add_argument("--eager-tuning", action="store_true",
                     help="cuBLASLt tuning on, timed eagerly (cublaslt.IN_GRAPH = False), whatever the sequence says")
+    ap.add_argument("--mixed-tokens", type=int, nargs="+", default=None,
+                    help="the mixed graphs' token counts (cuda_graph.MIXED_TOKENS) where the sequence has them")
+    ap.add_argument("--repeat", type=int, default=8, help="steps of same-token and idle")
     ap.add_argument("--no-profile", action="store_true",
                     help="replay times only: a profiler session slows the replays after it (session 70)")
     args = ap.parse_args()
     run, mixed, options = SEQUENCES[args.sequence]
     if not mixed:
         cuda_graph.MIXED_TOKENS = ()
+    elif args.mixed_tokens:
+        cuda_graph.MIXED_TOKENS = tuple(args.mixed_tokens)
+    if args.sequence in ("same-token", "idle"):
+        run = functools.partial(run, repeat=args.repeat)
     if args.mixed_pdl is not None:
         mixed_graphs_pdl(args.mixed_pdl)
     if args.eager_tuning:
