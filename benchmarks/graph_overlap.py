@@ -24,8 +24,8 @@ a process's first profiled step compares with another's (use --no-profile for re
 - relaunch (no mixed graphs): 6 more decode graphs launched, the decode graph uploaded again, one of the 6
   launched again, the 6 dropped;
 - prompts (the default engine without tuning; prompts-eager: no mixed graphs either): real requests served, a
-  32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens, then
-  launch-mixed's launches;
+  32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens (session
+  70 also replayed the mixed graphs on the inputs the prompts left, which failed: the engine refills them first);
 - tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
   same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
@@ -77,8 +77,7 @@ def recapture(graphs, key: tuple) -> torch.cuda.CUDAGraph:
 
 
 def drop_mixed(engine, batch: int, seen) -> None:
-    runner = engine.runner
-    graphs = runner.graphs
+    graphs = engine.runner.graphs
     old = graphs.graphs[(batch, 1)]
     graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
     seen("decode graph recaptured, the others kept")
@@ -108,8 +107,7 @@ def more_graphs(engine, batch: int, seen) -> None:
 
 
 def launch_mixed(engine, batch: int, seen) -> None:
-    runner = engine.runner
-    graphs = runner.graphs
+    graphs = engine.runner.graphs
     sizes = sorted(key[1] for key in graphs.graphs if key[0] == 0)
     for tokens in (sizes[0], sizes[-1]):
         graphs.graphs[(0, tokens)].replay()
@@ -118,8 +116,7 @@ def launch_mixed(engine, batch: int, seen) -> None:
 
 
 def free_memory(engine, batch: int, seen) -> None:
-    runner = engine.runner
-    block = torch.empty(2 << 30, dtype=torch.uint8, device=runner.device)
+    block = torch.empty(2 << 30, dtype=torch.uint8, device=engine.runner.device)
     block.fill_(1)
     del block
     torch.cuda.synchronize()
@@ -144,8 +141,7 @@ def upload(graph: torch.cuda.CUDAGraph) -> None:
 
 
 def restore(engine, batch: int, seen) -> None:
-    runner = engine.runner
-    graphs = runner.graphs
+    graphs = engine.runner.graphs
     upload(graphs.graphs[(batch, 1)])
     torch.cuda.synchronize()
     seen("decode graph uploaded again")
@@ -203,7 +199,6 @@ def toggle(engine, batch: int, seen) -> None:
     for prompt_len in (256, 32, 256):
         serve(engine, prompt_len, 1)
         seen(f"a {prompt_len}-token prompt served")
-    launch_mixed(engine, batch, seen)
 
 
 def tokens(engine, batch: int, seen, order=(0, 1, 7, 100, 1000, 5000, 50000, 0)) -> None:
