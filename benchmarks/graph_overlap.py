@@ -25,7 +25,7 @@ a process's first profiled step compares with another's (use --no-profile for re
   launched again, the 6 dropped;
 - prompts (the default engine without tuning; prompts-eager: no mixed graphs either): real requests served, a
   32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens (session
-  70 also replayed the mixed graphs on the inputs the prompts left, which failed: the engine refills them first);
+  70 also replayed the mixed graphs on the inputs the prompts left, which raised an error it did not diagnose);
 - tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
   same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
