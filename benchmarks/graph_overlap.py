@@ -242,6 +242,8 @@ def main() -> None:
     ap.add_argument("--mixed-tokens", type=int, nargs="+", default=None,
                     help="the mixed graphs' token counts (cuda_graph.MIXED_TOKENS) where the sequence has them")
     ap.add_argument("--repeat", type=int, default=8, help="steps of same-token and idle")
+    ap.add_argument("--power", action="store_true",
+                    help="each step's board power and SM clock (nvidia-smi every 100 ms) over 200 more replays")
     ap.add_argument("--no-profile", action="store_true",
                     help="replay times only: a profiler session slows the replays after it (session 70)")
     args = ap.parse_args()
@@ -265,11 +267,16 @@ def main() -> None:
 
     def seen(step: str) -> None:
         replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=50)
+        power = {}
+        if args.power:
+            with gpu_decode.PowerLog() as log:
+                gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=200)
+            power = log.summary()
         profiled = ({"kernels_ms": None, "overlap_us": None, "alongside": None} if args.no_profile else
                     gpu_decode.profile(runner, args.batch, args.context + 16, replay))
         row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay,
                "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"],
-               "alongside": profiled["alongside"]}
+               "alongside": profiled["alongside"], "power": power}
         result["steps"].append(row)
         print(json.dumps(row), flush=True)
         with open(args.out, "w") as f:
