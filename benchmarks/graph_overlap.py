@@ -12,7 +12,10 @@ without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms). Session 70 
 docs/results/graph_overlap_s70_h100.json): without a profiler, an engine with mixed graphs replays the decode graph
 in 3.11 ms for its first ~100 replays and in 3.23-3.24 ms after, with the same inputs and nothing else happening
 (same-token); engines without them stay at 3.11. A profiler session slows every later replay of its process, so only
-a process's first profiled step compares with another's (use --no-profile for replay times). The sequences:
+a process's first profiled step compares with another's (use --no-profile for replay times). Session 71
+(graph_overlap_s71_h100.json): it takes 3 or more mixed graphs, of any token counts; the flip comes at the 2nd or 3rd
+step whether a step is 8 or 253 replays; replays launched back to back (--queued) show it, so it is GPU time. The
+sequences:
 - drop-mixed (the default engine): recapture the decode graph; drop the mixed graphs and the old decode graph;
   recapture it alone;
 - more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once;
@@ -27,7 +30,8 @@ a process's first profiled step compares with another's (use --no-profile for re
   32-token prompt, a 256-token one, then 256 tokens in and 8 out; toggle: prompts of 256, 32, 256 tokens (session
   70 also replayed the mixed graphs on the inputs the prompts left, which raised an error it did not diagnose);
 - tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
-  same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step;
+  same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step; drop-later: 3 steps of
+  same-token, the mixed graphs dropped, --repeat more;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
@@ -74,6 +78,14 @@ def recapture(graphs, key: tuple) -> torch.cuda.CUDAGraph:
     with torch.inference_mode():
         captured, _ = cuda_graph.capture_all([key], graphs._run)
     return captured[key]
+
+
+def queued_ms(runner, batch: int, context: int, reps: int) -> float:
+    """Milliseconds a replay of the (batch, 1) decode graph takes when `reps` are launched back to back (the
+    host's launch hidden behind the replays ahead; `gpu_decode.replay_ms` waits for each)."""
+    gpu_decode.set_context(runner.graphs, runner, batch, 1, context)
+    graph = runner.graphs.graphs[(batch, 1)]
+    return gpu_decode.time_events(lambda: [graph.replay() for _ in range(reps)], 1, warmup=0) * 1e3 / reps
 
 
 def drop_mixed(engine, batch: int, seen) -> None:
@@ -215,6 +227,18 @@ def same_token(engine, batch: int, seen, repeat: int = 8, pause_s: float = 0.0) 
         tokens(engine, batch, seen, (0,))
 
 
+def drop_later(engine, batch: int, seen, repeat: int = 8) -> None:
+    same_token(engine, batch, seen, 3)
+    graphs = engine.runner.graphs
+    for key in [k for k in graphs.graphs if k[0] == 0]:
+        del graphs.graphs[key]
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    seen("mixed graphs dropped")
+    same_token(engine, batch, seen, repeat)
+
+
 # name -> (the steps, whether the engine has mixed graphs, its engine options)
 SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, False, {}),
              "launch-mixed": (launch_mixed, True, {"gemm_tuning_rows": 0}),
@@ -225,6 +249,7 @@ SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, 
              "tokens": (tokens, True, {"gemm_tuning_rows": 0}),
              "same-token": (same_token, True, {"gemm_tuning_rows": 0}),
              "idle": (functools.partial(same_token, pause_s=1.0), True, {"gemm_tuning_rows": 0}),
+             "drop-later": (drop_later, True, {"gemm_tuning_rows": 0}),
              "prompts-eager": (prompts, False, {"gemm_tuning_rows": 0})}
 
 
@@ -241,9 +266,12 @@ def main() -> None:
                     help="cuBLASLt tuning on, timed eagerly (cublaslt.IN_GRAPH = False), whatever the sequence says")
     ap.add_argument("--mixed-tokens", type=int, nargs="+", default=None,
                     help="the mixed graphs' token counts (cuda_graph.MIXED_TOKENS) where the sequence has them")
-    ap.add_argument("--repeat", type=int, default=8, help="steps of same-token and idle")
+    ap.add_argument("--repeat", type=int, default=8, help="steps of same-token, idle and drop-later")
+    ap.add_argument("--reps", type=int, default=50, help="timed replays a step (after 3 untimed)")
     ap.add_argument("--power", action="store_true",
                     help="each step's board power and SM clock (nvidia-smi every 100 ms) over 200 more replays")
+    ap.add_argument("--queued", action="store_true",
+                    help="also time --reps replays launched back to back (no host wait between them)")
     ap.add_argument("--no-profile", action="store_true",
                     help="replay times only: a profiler session slows the replays after it (session 70)")
     args = ap.parse_args()
@@ -252,7 +280,7 @@ def main() -> None:
         cuda_graph.MIXED_TOKENS = ()
     elif args.mixed_tokens:
         cuda_graph.MIXED_TOKENS = tuple(args.mixed_tokens)
-    if args.sequence in ("same-token", "idle"):
+    if args.sequence in ("same-token", "idle", "drop-later"):
         run = functools.partial(run, repeat=args.repeat)
     if args.mixed_pdl is not None:
         mixed_graphs_pdl(args.mixed_pdl)
@@ -266,7 +294,8 @@ def main() -> None:
     result = {"config": args.config, "sequence": args.sequence, "device": torch.cuda.get_device_name(), "steps": []}
 
     def seen(step: str) -> None:
-        replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=50)
+        replay = gpu_decode.replay_ms(runner, args.batch, args.context + 16, reps=args.reps)
+        queued = queued_ms(runner, args.batch, args.context + 16, args.reps) if args.queued else None
         power = {}
         if args.power:
             with gpu_decode.PowerLog() as log:
@@ -274,7 +303,7 @@ def main() -> None:
             power = log.summary()
         profiled = ({"kernels_ms": None, "overlap_us": None, "alongside": None} if args.no_profile else
                     gpu_decode.profile(runner, args.batch, args.context + 16, replay))
-        row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay,
+        row = {"step": step, "graphs": len(runner.graphs.graphs), "replay_ms": replay, "queued_ms": queued,
                "kernels_ms": profiled["kernels_ms"], "overlap_us": profiled["overlap_us"],
                "alongside": profiled["alongside"], "power": power}
         result["steps"].append(row)
