@@ -8,14 +8,14 @@ overlap (`gpu_decode.overlap_us`) after each step.
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence free-memory
 
 Session 69 found (H100, 30B-A3B, batch 1) the same 487 kernels overlapping by ~190 us a replay in an engine
-without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms). Session 70 ran these sequences (results in
-docs/results/graph_overlap_s70_h100.json): without a profiler, an engine with mixed graphs replays the decode graph
-in 3.11 ms for its first ~100 replays and in 3.23-3.24 ms after, with the same inputs and nothing else happening
-(same-token); engines without them stay at 3.11. A profiler session slows every later replay of its process, so only
-a process's first profiled step compares with another's (use --no-profile for replay times). Session 71
-(graph_overlap_s71_h100.json): it takes 3 or more mixed graphs, of any token counts; the flip comes at the 2nd or 3rd
-step whether a step is 8 or 253 replays; replays launched back to back (--queued) show it, so it is GPU time. The
-sequences:
+without mixed graphs (3.14 ms) and by ~0 in one with them (3.27 ms). Sessions 70-71 (graph_overlap_s70_h100.json,
+graph_overlap_s71_h100.json) found, without a profiler: a process holding 3 or more graph executables besides the
+decode graph replays it ~4% slower (3.23-3.24 against 3.10-3.11 ms) from the 2nd or 3rd step after they exist,
+whatever they are (mixed graphs, graphs of other batch sizes, graphs of torch kernels never launched), with one
+exception not understood: up to 14 copies of the decode graph itself, each launched once (more-graphs), did not slow
+it. With 0-2 it stays fast. A serving engine holds dozens, so the fast figure belongs to one-graph processes. A
+profiler session slows every later replay of its process, so only a process's first profiled step compares with
+another's (use --no-profile for replay times). The sequences:
 - drop-mixed (the default engine): recapture the decode graph; drop the mixed graphs and the old decode graph;
   recapture it alone;
 - more-graphs (no mixed graphs): capture 2, 6, 14 more copies of the decode graph, then launch each once;
@@ -31,7 +31,8 @@ sequences:
   70 also replayed the mixed graphs on the inputs the prompts left, which raised an error it did not diagnose);
 - tokens (the default engine without tuning): the graph's input token set to 0, 1, 7, ..., 0 (position 16);
   same-token: token 0, --repeat times; idle: the same with 1 s of idle before each step; drop-later: 3 steps of
-  same-token, the mixed graphs dropped, --repeat more;
+  same-token, the mixed graphs dropped, --repeat more; dummy-graphs (no mixed graphs): --dummy COUNT NODES graphs of
+  one-block torch kernels captured, then same-token;
 - free-memory (no mixed graphs): 2 GiB allocated and freed into torch's cache, then `empty_cache` handing it back
   to the driver, as every `torch.cuda.graph` capture and the cuBLASLt tuning do (each session-69 trigger did).
 """
@@ -227,6 +228,30 @@ def same_token(engine, batch: int, seen, repeat: int = 8, pause_s: float = 0.0) 
         tokens(engine, batch, seen, (0,))
 
 
+def dummy_graphs(engine, batch: int, seen, count: int = 3, nodes: int = 700, repeat: int = 6,
+                 then: str = "none") -> None:
+    """`count` graphs of `nodes` one-block torch kernels each, captured in one pool, then (`then`) left alone, each
+    uploaded (cuGraphUpload) or each launched once, then same-token."""
+    x = torch.zeros(256, device=engine.runner.device)
+    kept, pool = [], None
+    with cuda_graph.capturing():
+        for _ in range(count):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                for _ in range(nodes):
+                    x.add_(1.0)
+            pool = graph.pool() if pool is None else pool
+            kept.append(graph)
+    for graph in kept:
+        if then == "upload":
+            upload(graph)
+        elif then == "launch":
+            graph.replay()
+    torch.cuda.synchronize()
+    seen(f"{count} graphs of {nodes} kernels captured, {then}")
+    same_token(engine, batch, seen, repeat)
+
+
 def drop_later(engine, batch: int, seen, repeat: int = 8) -> None:
     same_token(engine, batch, seen, 3)
     graphs = engine.runner.graphs
@@ -250,6 +275,7 @@ SEQUENCES = {"drop-mixed": (drop_mixed, True, {}), "more-graphs": (more_graphs, 
              "same-token": (same_token, True, {"gemm_tuning_rows": 0}),
              "idle": (functools.partial(same_token, pause_s=1.0), True, {"gemm_tuning_rows": 0}),
              "drop-later": (drop_later, True, {"gemm_tuning_rows": 0}),
+             "dummy-graphs": (dummy_graphs, False, {"gemm_tuning_rows": 0}),
              "prompts-eager": (prompts, False, {"gemm_tuning_rows": 0})}
 
 
@@ -267,6 +293,10 @@ def main() -> None:
     ap.add_argument("--mixed-tokens", type=int, nargs="+", default=None,
                     help="the mixed graphs' token counts (cuda_graph.MIXED_TOKENS) where the sequence has them")
     ap.add_argument("--repeat", type=int, default=8, help="steps of same-token, idle and drop-later")
+    ap.add_argument("--dummy", type=int, nargs=2, default=(3, 700), metavar=("COUNT", "NODES"),
+                    help="dummy-graphs: how many graphs, of how many kernels each")
+    ap.add_argument("--dummy-then", choices=("none", "upload", "launch"), default="none",
+                    help="dummy-graphs: what is done with each graph after the captures")
     ap.add_argument("--reps", type=int, default=50, help="timed replays a step (after 3 untimed)")
     ap.add_argument("--power", action="store_true",
                     help="each step's board power and SM clock (nvidia-smi every 100 ms) over 200 more replays")
@@ -282,6 +312,9 @@ def main() -> None:
         cuda_graph.MIXED_TOKENS = tuple(args.mixed_tokens)
     if args.sequence in ("same-token", "idle", "drop-later"):
         run = functools.partial(run, repeat=args.repeat)
+    if args.sequence == "dummy-graphs":
+        run = functools.partial(run, repeat=args.repeat, count=args.dummy[0], nodes=args.dummy[1],
+                                then=args.dummy_then)
     if args.mixed_pdl is not None:
         mixed_graphs_pdl(args.mixed_pdl)
     if args.eager_tuning:

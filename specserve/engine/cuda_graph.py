@@ -41,8 +41,6 @@ ADAPTERS = "lora"  # the last element of the key of a graph that adds LoRA adapt
 
 # token counts of the mixed graphs (each at most the step's token budget): above 128 tokens a step may be bound by
 # its GEMMs rather than its launches, so padding stays under a quarter of its tokens there
-# (an engine holding them replays the Qwen3-30B-A3B batch-1 decode graph ~4% slower on an H100 after its first ~100
-# replays, whatever their capture order or pool: docs/performance.md, sessions 68-70)
 MIXED_TOKENS = (32, 64, 128) + tuple(range(160, 513, 32))
 
 
