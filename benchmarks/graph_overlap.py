@@ -89,17 +89,22 @@ def queued_ms(runner, batch: int, context: int, reps: int) -> float:
     return gpu_decode.time_events(lambda: [graph.replay() for _ in range(reps)], 1, warmup=0) * 1e3 / reps
 
 
+def release_mixed(graphs) -> None:
+    """Drop the mixed graphs and hand their memory (and any other dropped graph's) back to the driver."""
+    for key in [k for k in graphs.graphs if k[0] == 0]:
+        del graphs.graphs[key]
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def drop_mixed(engine, batch: int, seen) -> None:
     graphs = engine.runner.graphs
     old = graphs.graphs[(batch, 1)]
     graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
     seen("decode graph recaptured, the others kept")
-    for key in [k for k in graphs.graphs if k[0] == 0]:
-        del graphs.graphs[key]
     del old
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    release_mixed(graphs)
     seen("mixed graphs and the first decode graph dropped")
     graphs.graphs[(batch, 1)] = recapture(graphs, (batch, 1))
     seen("decode graph recaptured alone")
@@ -254,12 +259,7 @@ def dummy_graphs(engine, batch: int, seen, count: int = 3, nodes: int = 700, rep
 
 def drop_later(engine, batch: int, seen, repeat: int = 8) -> None:
     same_token(engine, batch, seen, 3)
-    graphs = engine.runner.graphs
-    for key in [k for k in graphs.graphs if k[0] == 0]:
-        del graphs.graphs[key]
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    release_mixed(engine.runner.graphs)
     seen("mixed graphs dropped")
     same_token(engine, batch, seen, repeat)
 
