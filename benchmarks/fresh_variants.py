@@ -9,8 +9,8 @@ A variant is `recapture.py`'s: `module.NAME=value` settings separated by ";", a 
 path under specserve; an item without a module (`gemm_tuning_rows=0`) is an engine option, as `LLM(...)` takes it.
 Session 68 found the 30B-A3B batch-1 decode graph 4% slower on an H100 in an engine that also captured a 512-token
 mixed graph; recapture.py turns mixed graphs off, so it cannot see that. In that state its kernels no longer overlap
-(session 69; `--profile` records the overlap). Session 70 (`graph_overlap.py`): the graph turns slow after its first
-~100 replays with nothing else happening; a profiler session slows every later replay of its process.
+(session 69; `--profile` records the overlap). Sessions 70-71 (`graph_overlap.py`): any 3 or more other graphs in
+the process bring that state, so every serving engine is in it; a profiler session slows every later replay.
 """
 from __future__ import annotations
 

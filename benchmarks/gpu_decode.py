@@ -312,7 +312,8 @@ def profile(runner, batch: int, context: int, replay: float) -> dict:
           "replay; top: " +
           "; ".join(f"{r['kernel'][:40]} {r['us_per_step']:.0f}us x{r['calls_per_step']:.0f}" for r in table[:8]),
           flush=True)
-    between, alongside = boundaries(spans, 3), overlap_us(spans, 3)
+    between = boundaries(spans, 3)
+    alongside = sum(b["overlap_us_per_step"] for b in between)  # what programmatic dependent launch buys
     print(f"  between kernels {sum(b['us_per_step'] for b in between):.0f} us a step, kernels alongside the one "
           f"ahead {alongside:.0f} us; largest gaps: " +
           "; ".join(f"{b['after'][:24]} -> {b['before'][:24]} {b['us_per_step']:.0f}us x{b['per_step']:.0f}"
@@ -340,11 +341,6 @@ def boundaries(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
                     "per_step": count / steps} for (a, b), (gap, alongside, count) in pairs.items()),
                   key=lambda r: -r["us_per_step"])
 
-
-def overlap_us(spans: list[tuple[str, float, float]], steps: int) -> float:
-    """Time per step that kernels (name, start us, end us) ran alongside the kernel ahead of them: what
-    programmatic dependent launch buys, a kernel's programs starting before the one ahead has ended."""
-    return sum(b["overlap_us_per_step"] for b in boundaries(spans, steps))
 
 
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Whether the (batch, 1) decode graph's kernels overlap (programmatic dependent launch), step by step through
 a sequence of graph captures, launches and drops in one engine: its replay ms, its kernels' ms and their
-overlap (`gpu_decode.overlap_us`) after each step.
+overlap (`gpu_decode.profile`'s `overlap_us`) after each step.
 
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence drop-mixed
     python benchmarks/graph_overlap.py --config benchmarks/configs/qwen3-30b-a3b --sequence more-graphs
