@@ -58,11 +58,11 @@ def child(args) -> None:
     rows = [{"device": torch.cuda.get_device_name(), "batch": batch, "graphs": len(engine.runner.graphs.graphs),
              **recapture.replays_around_decodes(engine, batch, args.context, engine_args, arch, gen, args.decodes)}
             for batch in args.batches]
-    # profiled after every batch's replays are timed: a profiler session slows every later replay (session 70)
-    for row in rows if args.profile else ():  # the kernels' sum and their overlap (programmatic dependent launch)
-        last = row["decodes"][-1]["replay_after_decode_ms"] if row["decodes"] else row["replay_ms"]
-        seen = gpu_decode.profile(engine.runner, row["batch"], args.context + 16, last)
-        row["profile"] = {"kernels_ms": seen["kernels_ms"], "overlap_us": seen["overlap_us"]}
+    if args.profile:  # after every batch's replays are timed: a profiler session slows every later replay (s70)
+        for row in rows:  # the kernels' sum and their overlap (programmatic dependent launch)
+            last = row["decodes"][-1]["replay_after_decode_ms"] if row["decodes"] else row["replay_ms"]
+            seen = gpu_decode.profile(engine.runner, row["batch"], args.context + 16, last)
+            row["profile"] = {"kernels_ms": seen["kernels_ms"], "overlap_us": seen["overlap_us"]}
     engine.close()
     print(json.dumps(rows))
 

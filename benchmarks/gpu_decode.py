@@ -342,7 +342,6 @@ def boundaries(spans: list[tuple[str, float, float]], steps: int) -> list[dict]:
                   key=lambda r: -r["us_per_step"])
 
 
-
 def loop_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """Experts.forward as transformers' eager MoE computes it: one expert at a time, each routed to read on the
     host. x [n, hidden], weights and experts [n, top_k] -> [n, hidden]."""
